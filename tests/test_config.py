@@ -1,0 +1,61 @@
+"""Reading HF config.json: both rope formats, and refusal of every math-changing field we do not implement."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from clusterkv_jax import ModelConfig, load_model
+
+BASE = dict(model_type="llama", vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2)
+
+
+def test_reads_transformers_4_and_5_rope_formats_alike():
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    v4 = ModelConfig.from_hf_dict({**BASE, "rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", **scaling}})
+    v5 = ModelConfig.from_hf_dict({**BASE, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **scaling}})
+    assert v4 == v5
+    assert v4.rope_theta == 5e5 and v4.rope_scaling.rope_type == "llama3" and v4.rope_scaling.factor == 8.0
+    assert v4.head_dim == 16 and v4.group_size == 2
+
+
+def test_qwen2_gets_qkv_bias_and_eos_lists():
+    c = ModelConfig.from_hf_dict({**BASE, "model_type": "qwen2", "eos_token_id": [5, 7]})
+    assert c.qkv_bias and not c.o_bias and c.eos_token_ids == (5, 7)
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ({"model_type": "gpt2"}, "model_type 'gpt2'"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling type 'yarn'"),
+        ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}, "'dynamic'"),
+        ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4096}, "sliding_window"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"num_attention_heads": 4, "num_key_value_heads": 3}, "multiple"),
+    ],
+)
+def test_unsupported_fields_are_refused_by_name(override, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf_dict({**BASE, **override})
+
+
+def test_missing_required_field_is_named():
+    cfg = dict(BASE)
+    del cfg["hidden_size"]
+    with pytest.raises(ValueError, match="hidden_size"):
+        ModelConfig.from_hf_dict(cfg)
+
+
+def test_load_model_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_model(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(BASE))
+    with pytest.raises(FileNotFoundError, match="params"):
+        load_model(tmp_path)
