@@ -43,3 +43,16 @@ class KVPolicy:
     ) -> tuple[jax.Array, Any]:
         """Attention output [B, N, H] over the tokens this policy selects, and the layer's new state."""
         raise NotImplementedError
+
+    def select(
+        self,
+        state: Any,
+        q: jax.Array,  # [B, N, H]
+        keys: jax.Array,  # [B, K, S, H]
+        lengths: jax.Array,  # [B]
+        prompt_lengths: jax.Array,  # [B]
+    ) -> tuple[jax.Array, jax.Array]:
+        """The budgeted selection (the B tokens counted by the budget, sinks included; not the recent
+        window of unindexed generated tokens): token positions idx [B, N, M] and a validity mask [B, N, M].
+        Used by `decode_attention` and by the recall evaluation."""
+        raise NotImplementedError

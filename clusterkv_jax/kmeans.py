@@ -1,0 +1,162 @@
+"""Batched cosine K-means as a jitted `lax.while_loop`.
+
+Assignment uses cosine similarity; the cluster direction used for assignment is the normalised sum of the
+member keys' unit vectors (spherical K-means), which makes the objective Σ cos(key, direction) monotone
+non-decreasing. After convergence each cluster's stored centroid is the mean of its member keys (raw, not
+normalised), so that q·μ equals the members' average attention logit: that is what ClusterKV ranks by.
+
+Shapes: P independent problems (batch × KV heads), N keys, C (static) cluster slots, H head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+_EPS = 1e-12
+
+
+class KMeansResult(NamedTuple):
+    labels: jax.Array  # [P, N] int32 cluster of each key; C for masked keys
+    centroids: jax.Array  # [P, C, H] float32 mean of member keys (empty: the unit direction it kept)
+    sizes: jax.Array  # [P, C] int32 member counts
+    directions: jax.Array  # [P, C, H] unit directions the final labels were assigned against
+    iterations: jax.Array  # [] int32 update steps run
+
+
+def _normalize(x: jax.Array) -> jax.Array:
+    """Unit vectors along the last axis; zero vectors stay zero (no NaN)."""
+    norm = jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True))
+    return x / jnp.maximum(norm, _EPS)
+
+
+def _assign(unit_keys, valid, directions, cluster_ok):
+    """Label of the most cosine-similar allowed cluster per key; C for masked keys."""
+    C = directions.shape[1]
+    # [P, N, C]
+    sim = jnp.einsum("PNH,PCH->PNC", unit_keys, directions)
+    sim = jnp.where(cluster_ok[:, None, :], sim, -jnp.inf)
+    labels = jnp.argmax(sim, axis=-1).astype(jnp.int32)
+    return jnp.where(valid, labels, C)
+
+
+def _member_sums(labels, x, C):
+    """Per-cluster sums of x [P, N, H] and counts, by one-hot matmul (masked keys have label C: no row)."""
+    # [P, N, C]
+    onehot = jax.nn.one_hot(labels, C, dtype=jnp.float32)
+    sums = jnp.einsum("PNC,PNH->PCH", onehot, x)
+    counts = jnp.sum(onehot, axis=1)
+    return sums, counts
+
+
+def cluster_mask(num_clusters: jax.Array, C: int) -> jax.Array:
+    """[P, C] True for the cluster slots each problem uses."""
+    return jnp.arange(C)[None, :] < num_clusters[:, None]
+
+
+@functools.partial(jax.jit, static_argnames=("max_iters",))
+def kmeans_from_directions(
+    keys: jax.Array,  # [P, N, H]
+    valid: jax.Array,  # [P, N] bool
+    num_clusters: jax.Array,  # [P] int32, <= C
+    init_directions: jax.Array,  # [P, C, H]
+    max_iters: int = 20,
+) -> KMeansResult:
+    """Lloyd iterations under cosine similarity from given initial cluster directions."""
+    C = init_directions.shape[1]
+    x = keys.astype(jnp.float32)
+    unit = _normalize(x)
+    ok = cluster_mask(num_clusters, C)
+    directions = _normalize(init_directions.astype(jnp.float32))
+    labels = _assign(unit, valid, directions, ok)
+
+    def update(labels, directions):
+        sums, counts = _member_sums(labels, unit, C)
+        # An emptied cluster keeps its previous direction, so it stays a valid (finite) centroid.
+        return jnp.where(counts[..., None] > 0, _normalize(sums), directions)
+
+    def cond(state):
+        it, _, _, changed = state
+        return changed & (it < max_iters)
+
+    def body(state):
+        it, labels, directions, _ = state
+        directions = update(labels, directions)
+        new_labels = _assign(unit, valid, directions, ok)
+        return it + 1, new_labels, directions, jnp.any(new_labels != labels)
+
+    it, labels, directions, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), labels, directions, jnp.bool_(True)))
+    sums, counts = _member_sums(labels, x, C)
+    centroids = jnp.where(counts[..., None] > 0, sums / jnp.maximum(counts, 1)[..., None], directions)
+    return KMeansResult(labels, centroids, counts.astype(jnp.int32), directions, it)
+
+
+def init_random(keys: jax.Array, valid: jax.Array, C: int, rngs: jax.Array) -> jax.Array:
+    """C distinct valid keys per problem, uniformly at random: [P, C, H]. Needs C <= N.
+
+    rngs holds one PRNG key per problem [P, 2], so a problem's seeds do not depend on the batch around it.
+    """
+    N = keys.shape[1]
+    u = jax.vmap(lambda r: jax.random.uniform(r, (N,)))(rngs)  # [P, N]
+    _, idx = jax.lax.top_k(jnp.where(valid, u, -1.0 - u), C)  # valid keys first, in random order
+    return jnp.take_along_axis(keys.astype(jnp.float32), idx[..., None], axis=1)
+
+
+def init_kmeans_plus_plus(keys: jax.Array, valid: jax.Array, C: int, rngs: jax.Array) -> jax.Array:
+    """k-means++ seeding under cosine distance: each next seed drawn with probability ∝ (1 − max cos)²."""
+
+    def one(x, valid, rng):  # x [N, H], valid [N]
+        x = x.astype(jnp.float32)
+        unit = _normalize(x)
+        rngs = jax.random.split(rng, C)
+        first = jax.random.categorical(rngs[0], jnp.where(valid, 0.0, -jnp.inf))
+        seeds = jnp.zeros((C, x.shape[1]), jnp.float32).at[0].set(x[first])
+        best_sim = unit @ unit[first]
+
+        def body(c, carry):
+            seeds, best_sim = carry
+            dist = jnp.clip(1.0 - best_sim, 0.0, 2.0)
+            # Tiny floor keeps the draw defined when every remaining key coincides with a seed.
+            pick = jax.random.categorical(rngs[c], jnp.where(valid, jnp.log(dist * dist + 1e-20), -jnp.inf))
+            return seeds.at[c].set(x[pick]), jnp.maximum(best_sim, unit @ unit[pick])
+
+        return jax.lax.fori_loop(1, C, body, (seeds, best_sim))[0]
+
+    return jax.vmap(one)(keys, valid, rngs)
+
+
+def problem_keys(seed_key: jax.Array, P: int) -> jax.Array:
+    """One PRNG key per problem, [P, 2]."""
+    return jax.vmap(lambda i: jax.random.fold_in(seed_key, i))(jnp.arange(P))
+
+
+@functools.partial(jax.jit, static_argnames=("max_clusters", "max_iters", "init"))
+def cosine_kmeans(
+    keys: jax.Array,  # [P, N, H]
+    valid: jax.Array,  # [P, N] bool
+    num_clusters: jax.Array,  # [P] int32 clusters wanted per problem (<= max_clusters)
+    rngs: jax.Array,  # [P, 2] one PRNG key per problem (see `problem_keys`)
+    *,
+    max_clusters: int,
+    max_iters: int = 20,
+    init: str = "random",
+) -> KMeansResult:
+    """Cosine K-means of each problem's valid keys into num_clusters[p] clusters (slots beyond stay empty)."""
+    if init == "random":
+        directions = init_random(keys, valid, max_clusters, rngs)
+    elif init == "kmeans++":
+        directions = init_kmeans_plus_plus(keys, valid, max_clusters, rngs)
+    else:
+        raise ValueError(f"unknown init {init!r}; use 'random' or 'kmeans++'")
+    return kmeans_from_directions(keys, valid, num_clusters, directions, max_iters=max_iters)
+
+
+def cosine_objective(keys: jax.Array, valid: jax.Array, labels: jax.Array, directions: jax.Array) -> jax.Array:
+    """Σ over valid keys of (1 − cos(key, direction of its cluster)) per problem: [P]."""
+    C = directions.shape[1]
+    d = jnp.take_along_axis(_normalize(directions), jnp.minimum(labels, C - 1)[..., None], axis=1)
+    cos = jnp.sum(_normalize(keys.astype(jnp.float32)) * d, axis=-1)
+    return jnp.sum(jnp.where(valid, 1.0 - cos, 0.0), axis=-1)

@@ -1,0 +1,194 @@
+"""ClusterKV against FullKV, an exact top-B oracle, and brute-force checks of its cluster index."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from clusterkv_jax.cache import init_cache
+from clusterkv_jax.config import ModelConfig
+from clusterkv_jax.generate import decode_step, generate, generate_ids, prefill
+from clusterkv_jax.loading import Model
+from clusterkv_jax.model import init_params
+from clusterkv_jax.policies import FullKV
+from clusterkv_jax.policies.clusterkv import ClusterKV, rank_and_index
+
+CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
+                  num_kv_heads=2, head_dim=16)
+PARAMS = init_params(CFG, jax.random.PRNGKey(0))
+SMALL = dict(sinks=4, tokens_per_cluster=8, decode_interval=16, decode_clusters=2)
+
+
+def run(policy, tokens, lengths, steps, capacity=448, prompt_bucket=192):
+    """Prefill then teacher-forced decode; returns logits [steps + 1, B, V] and the final cache."""
+    B = tokens.shape[0]
+    cache = init_cache(CFG, policy, B, capacity, jnp.float32)
+    logits, cache = prefill(PARAMS, jnp.asarray(tokens[:, :prompt_bucket]), jnp.asarray(lengths), cache,
+                            config=CFG, policy=policy)
+    out = [np.asarray(logits)]
+    for i in range(steps):
+        nxt = tokens[np.arange(B), lengths + i]
+        logits, cache = decode_step(PARAMS, jnp.asarray(nxt), cache, config=CFG, policy=policy)
+        out.append(np.asarray(logits))
+    return np.stack(out), cache
+
+
+TOKENS = np.random.default_rng(0).integers(0, 128, (3, 448))
+LENGTHS = np.array([180, 120, 61])
+
+
+@pytest.mark.parametrize("gqa,init", [("per_head", "random"), ("shared", "kmeans++")])
+def test_budget_covering_everything_equals_full_kv(gqa, init):
+    full, _ = run(FullKV(), TOKENS, LENGTHS, steps=36)
+    ours, cache = run(ClusterKV(budget=512, gqa=gqa, init=init, **SMALL), TOKENS, LENGTHS, steps=36)
+    np.testing.assert_allclose(ours, full, atol=1e-5)
+    # Decode clustering fired twice (at 16 and 32 generated tokens) on every compressed layer.
+    np.testing.assert_array_equal(np.asarray(cache.policy_state.clustered_upto[2:]), np.tile(LENGTHS + 32, (2, 1)))
+
+
+def test_small_budget_differs_from_full_kv():
+    full, _ = run(FullKV(), TOKENS, LENGTHS, steps=4)
+    ours, _ = run(ClusterKV(budget=24, **SMALL), TOKENS, LENGTHS, steps=4)
+    assert np.abs(ours[1:] - full[1:]).max() > 1e-3  # the test above is not vacuous
+
+
+def _layer_state(cache, layer):
+    return jax.tree.map(lambda x: x[layer], cache.policy_state)
+
+
+def _members(state, b, h):
+    """Cluster id -> set of positions, read from (sizes, starts, sorted_tokens) of sequence b, KV head h."""
+    sizes, starts, toks = (np.asarray(x[b, h]) for x in (state.sizes, state.starts, state.sorted_tokens))
+    return {c: set(toks[starts[c] : starts[c] + sizes[c]].tolist()) for c in np.flatnonzero(sizes)}
+
+
+def test_clusters_partition_the_prompt_past_the_sinks():
+    policy = ClusterKV(budget=64, **SMALL)
+    _, cache = run(policy, TOKENS, LENGTHS, steps=0)
+    for layer in range(2, 4):
+        state = _layer_state(cache, layer)
+        for b, L in enumerate(LENGTHS):
+            for h in range(CFG.num_kv_heads):
+                members = _members(state, b, h)
+                flat = [p for m in members.values() for p in m]
+                assert sorted(flat) == list(range(4, L)), "every clustered token in exactly one cluster"
+                assert len(members) <= max(1, (L - 4) // 8)
+    # Layers below full_layers are never clustered.
+    assert np.asarray(cache.policy_state.sizes[:2]).sum() == 0
+
+
+def test_selection_is_ranked_clusters_with_the_last_trimmed():
+    policy = ClusterKV(budget=40, **SMALL)
+    _, cache = run(policy, TOKENS, LENGTHS, steps=0)
+    state = _layer_state(cache, 3)
+    q = jax.random.normal(jax.random.PRNGKey(1), (3, CFG.num_heads, CFG.head_dim))
+    lengths = jnp.asarray(LENGTHS)
+    idx, mask = policy.select(state, q, cache.k[3], lengths, lengths)
+    idx, mask = np.asarray(idx), np.asarray(mask)
+    G = CFG.num_heads // CFG.num_kv_heads
+    for b, L in enumerate(LENGTHS):
+        for n in range(CFG.num_heads):
+            chosen = idx[b, n][mask[b, n]]
+            assert len(chosen) == len(set(chosen)) == min(40, L), "distinct, exactly min(B, available)"
+            assert chosen.min() >= 0 and chosen.max() < L
+            assert set(range(4)) <= set(chosen.tolist()), "sinks always selected"
+            # Brute force: rank clusters by q·μ, whole clusters until the budget, the last one partial.
+            members = _members(state, b, n // G)
+            cent = np.asarray(state.centroids[b, n // G])
+            ranked = sorted(members, key=lambda c: -float(np.dot(np.asarray(q[b, n]), cent[c])))
+            rest, left = set(chosen.tolist()) - set(range(4)), 36
+            for c in ranked:
+                if left <= 0:
+                    assert not (members[c] & rest), "a lower-ranked cluster leaked in"
+                elif len(members[c]) <= left:
+                    assert members[c] <= rest, "a whole higher-ranked cluster is missing"
+                    left -= len(members[c])
+                else:
+                    assert len(members[c] & rest) == left, "the last cluster is trimmed to fit exactly"
+                    left = 0
+
+
+def test_one_token_per_cluster_selects_the_exact_top_b():
+    policy = ClusterKV(budget=20, sinks=0, tokens_per_cluster=1, decode_interval=16, decode_clusters=2)
+    _, cache = run(policy, TOKENS, LENGTHS, steps=0)
+    lengths = jnp.asarray(LENGTHS)
+    q = jax.random.normal(jax.random.PRNGKey(2), (3, CFG.num_heads, CFG.head_dim))
+    for layer in (2, 3):
+        idx, mask = policy.select(_layer_state(cache, layer), q, cache.k[layer], lengths, lengths)
+        keys = np.asarray(cache.k[layer])
+        for b, L in enumerate(LENGTHS):
+            for n in range(CFG.num_heads):
+                scores = keys[b, n // 2, :L] @ np.asarray(q[b, n])
+                oracle = set(np.argsort(-scores)[:20].tolist())
+                assert set(np.asarray(idx[b, n])[np.asarray(mask[b, n])].tolist()) == oracle
+
+
+def test_decode_clusters_hold_only_generated_tokens():
+    policy = ClusterKV(budget=64, **SMALL)
+    _, cache = run(policy, TOKENS, LENGTHS, steps=33)  # fires at 16 and 32 generated tokens
+    state = _layer_state(cache, 2)
+    C0 = policy.prompt_cluster_slots(448)
+    for b, L in enumerate(LENGTHS):
+        assert int(state.clustered_upto[b]) == L + 32
+        for h in range(CFG.num_kv_heads):
+            members = _members(state, b, h)
+            for group in range(2):
+                slots = range(C0 + 2 * group, C0 + 2 * group + 2)
+                got = set().union(*(members.get(c, set()) for c in slots))
+                assert got == set(range(L + 16 * group, L + 16 * (group + 1)))
+            assert not any(c >= C0 + 4 for c in members), "no third group before 48 tokens"
+
+
+def test_ragged_batch_equals_each_sequence_alone():
+    policy = ClusterKV(budget=40, **SMALL)
+    batch, _ = run(policy, TOKENS, LENGTHS, steps=20)
+    for b in range(3):
+        alone, _ = run(policy, TOKENS[b : b + 1], LENGTHS[b : b + 1], steps=20)
+        np.testing.assert_allclose(batch[:, b], alone[:, 0], atol=1e-5)
+
+
+def test_generate_with_clusterkv_compiles_once():
+    model = Model(CFG, PARAMS, tokenizer=None)
+    policy = ClusterKV(budget=32, **SMALL)
+    before = generate_ids._cache_size()
+    a = generate(model, [TOKENS[0, :100].tolist(), TOKENS[1, :70].tolist()], 40, policy=policy, stop_at_eos=False)
+    b = generate(model, [TOKENS[2, :90].tolist(), TOKENS[0, :60].tolist()], 40, policy=policy, stop_at_eos=False)
+    assert generate_ids._cache_size() - before == 1
+    assert all(len(t) == 40 for t in a.tokens + b.tokens)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(budget=8, sinks=16), dict(tokens_per_cluster=0), dict(decode_clusters=400, decode_interval=320),
+     dict(decode_clusters=0), dict(gqa="mean"), dict(init="kmeans||"), dict(max_iters=0), dict(full_layers=-1)],
+)
+def test_invalid_settings_raise(kwargs):
+    with pytest.raises(ValueError):
+        ClusterKV(**kwargs)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 9), min_size=1, max_size=12),
+    slots=st.integers(1, 40),
+    seed=st.integers(0, 2**16),
+)
+def test_rank_and_index_matches_brute_force(sizes, slots, seed):
+    rng = np.random.default_rng(seed)
+    sizes = np.array(sizes, np.int32)
+    starts = np.cumsum(sizes) - sizes
+    total = int(sizes.sum())
+    sorted_tokens = rng.permutation(1000)[: max(total, 1)].astype(np.int32)
+    scores = rng.normal(size=len(sizes)).astype(np.float32)
+    idx, mask = rank_and_index(jnp.asarray(scores), jnp.asarray(sizes), jnp.asarray(starts),
+                               jnp.asarray(sorted_tokens), slots)
+    expected = []
+    for c in np.argsort(-scores, kind="stable"):
+        expected += sorted_tokens[starts[c] : starts[c] + sizes[c]].tolist()
+    expected = expected[:slots]
+    assert np.asarray(idx)[np.asarray(mask)].tolist() == expected
+    assert int(np.asarray(mask).sum()) == min(slots, total)
