@@ -1,4 +1,4 @@
-"""The `clusterkv` command: generate, demo."""
+"""The `clusterkv` command: generate, demo, eval recall."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from clusterkv_jax import generate, load_model
+    from clusterkv_jax import ClusterKV, FullKV, generate, load_model
 
     model = load_model(args.model or smollm2_model_dir(), dtype="float32")
     document = args.document_text or _default_document()
@@ -90,15 +90,46 @@ def cmd_demo(args) -> int:
     prompt = model.tokenizer.encode(model.tokenizer.apply_chat_template(messages), add_special_tokens=False)
     print(f"document: {len(doc_ids)} tokens; prompt: {len(prompt)} tokens")
     print(f"question: {args.question}")
-    t0 = time.perf_counter()
-    result = generate(model, prompt, args.max_new_tokens)
-    first = time.perf_counter() - t0
-    # Second, identical call: compiled already, so it measures steady-state speed.
-    result = generate(model, prompt, args.max_new_tokens)
-    _print_result(result, "answer")
-    n = len(result.tokens[0])
-    print(f"{n} new tokens in {result.seconds:.2f}s after compile ({n / result.seconds:.1f} tokens/s, prefill of "
-          f"{len(prompt)} tokens included); first call with compile {first:.1f}s")
+    for label, policy in (("full KV", FullKV()), (f"ClusterKV B={args.budget}", ClusterKV(budget=args.budget))):
+        t0 = time.perf_counter()
+        generate(model, prompt, args.max_new_tokens, policy=policy)
+        first = time.perf_counter() - t0
+        # Second, identical call: compiled already, so it measures steady-state speed.
+        result = generate(model, prompt, args.max_new_tokens, policy=policy)
+        _print_result(result, label)
+        n = len(result.tokens[0])
+        print(f"    {n} new tokens in {result.seconds:.2f}s = {n / result.seconds:.1f} tokens/s (prefill of "
+              f"{len(prompt)} tokens included; first call with compile {first:.1f}s)")
+    return 0
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def cmd_eval_recall(args) -> int:
+    from clusterkv_jax import load_model
+    from clusterkv_jax.eval.recall import format_table, run_recall, write_json
+
+    model = load_model(args.model, dtype=args.dtype)
+    with open(args.text, encoding="utf-8") as f:
+        # Enough characters for the tokens asked for (about 4 characters a token in English prose; 8 is safe).
+        text = f.read(8 * (args.context + args.steps) + 10_000)
+    ids = model.tokenizer.encode(text, add_special_tokens=False)
+    options = dict(gqa=args.gqa, init=args.init)
+    results = run_recall(model, ids, context=args.context, steps=args.steps, budgets=args.budgets,
+                         policy_names=args.policies.split(","), clusterkv_options=options)
+    results["clusterkv_options"] = options
+    print(format_table(results))
+    if args.json:
+        write_json(results, args.json)
+        print(f"wrote {args.json}", file=sys.stderr)
     return 0
 
 
@@ -126,7 +157,22 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--question", default=DEMO_QUESTION)
     d.add_argument("--context", type=int, default=2000, help="document tokens to keep")
     d.add_argument("--max-new-tokens", type=int, default=48)
+    d.add_argument("--budget", type=int, default=512, help="ClusterKV token budget")
     d.set_defaults(func=cmd_demo)
+
+    ev = sub.add_parser("eval", help="scripted evaluations").add_subparsers(dest="eval_command", required=True)
+    r = ev.add_parser("recall", help="top-B token recall and attention-mass recall of each policy")
+    r.add_argument("--model", required=True)
+    r.add_argument("--text", required=True, help="a long UTF-8 text file")
+    r.add_argument("--context", type=int, default=8000)
+    r.add_argument("--steps", type=int, default=8)
+    r.add_argument("--budgets", type=_int_list, default=[256, 512, 1024, 2048])
+    r.add_argument("--policies", default="clusterkv,quest,streaming,oracle")
+    r.add_argument("--gqa", choices=["per_head", "shared"], default="per_head", help="ClusterKV's GQA mode")
+    r.add_argument("--init", choices=["random", "kmeans++"], default="random", help="ClusterKV's K-means init")
+    r.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    r.add_argument("--json", default=None, help="write the results here")
+    r.set_defaults(func=cmd_eval_recall)
     return parser
 
 

@@ -22,9 +22,10 @@ def smollm2(smollm2_converted_dir):
 
 def test_greedy_32_tokens_identical_to_hf(smollm2, hf_smollm2):
     hf_model, hf_tok = hf_smollm2
-    question = "What is the capital of France? Answer in one sentence, then list three famous sights."
-    prompt = smollm2.tokenizer.apply_chat_template([{"role": "user", "content": question}])
-    ids = smollm2.tokenizer.encode(prompt, add_special_tokens=False)
+    # A continuation of real prose whose greedy path has no near-tie: the top-2 logit margin is >= 0.048 at
+    # every step (measured with HF), 100x our logit error. Where margins fall under 0.01 (after an EOS, say),
+    # even HF's cached and uncached forward passes pick different tokens.
+    ids = long_text_ids(smollm2.tokenizer, 300, offset=8000)
     with torch.no_grad():
         ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
                                 eos_token_id=None, pad_token_id=2, min_new_tokens=32)[0, len(ids):].tolist()

@@ -1,0 +1,1 @@
+"""Scripted evaluations (`clusterkv eval ...`)."""

@@ -1,0 +1,190 @@
+"""Recall of the budgeted selection: how much of the true top-B tokens and of the attention mass each policy
+keeps, measured on the exact (full-KV) decode trajectory.
+
+`RecallProbe` is itself a KVPolicy: the model attends to the whole cache (so every policy sees the same
+queries and keys), while the probe asks each wrapped policy for its selection and accumulates, per layer,
+  token recall  |selected ∩ true top-B by q·k| / min(B, prompt)   over the prompt tokens, and
+  mass recall   Σ_{selected} softmax(q·k / √H) over the prompt,
+averaged over query heads and sequences. One prefill and one decode loop serve every (policy, budget).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from clusterkv_jax.attention import decode_attention
+from clusterkv_jax.policies.base import KVPolicy
+
+
+@flax.struct.dataclass
+class ProbeState:
+    layer: jax.Array  # [] this layer's index (stacked: [L])
+    inner: tuple  # each wrapped policy's layer state
+    token_recall: jax.Array  # [P] sums over steps
+    mass_recall: jax.Array  # [P]
+    steps: jax.Array  # [] decode steps measured
+
+
+@dataclasses.dataclass(frozen=True)
+class RecallProbe(KVPolicy):
+    policies: tuple = ()
+    budgets: tuple = ()  # the budget B each policy is scored against
+
+    @property
+    def full_layers(self) -> int:  # the model hands every layer >= the smallest full_layers to the probe
+        return min(p.full_layers for p in self.policies)
+
+    def init_state(self, config, batch_size, capacity):
+        L, P = config.num_layers, len(self.policies)
+        return ProbeState(
+            layer=jnp.arange(L, dtype=jnp.int32),
+            inner=tuple(p.init_state(config, batch_size, capacity) for p in self.policies),
+            token_recall=jnp.zeros((L, P), jnp.float32),
+            mass_recall=jnp.zeros((L, P), jnp.float32),
+            steps=jnp.zeros((L,), jnp.int32),
+        )
+
+    def after_prefill(self, state, keys, lengths):
+        inner = tuple(
+            jax.lax.cond(state.layer >= p.full_layers, lambda s, p=p: p.after_prefill(s, keys, lengths),
+                         lambda s: s, s)
+            for p, s in zip(self.policies, state.inner)
+        )
+        return state.replace(inner=inner)
+
+    def decode_attention(self, state, q, keys, values, lengths, prompt_lengths):
+        B, N, H = q.shape
+        K, S = keys.shape[1], keys.shape[2]
+        G = N // K
+        # [B, N, S] exact scores over the prompt
+        scores = jnp.einsum("BKGH,BKSH->BKGS", q.reshape(B, K, G, H), keys,
+                            preferred_element_type=jnp.float32).reshape(B, N, S) / (H ** 0.5)
+        in_prompt = (jnp.arange(S)[None, :] < prompt_lengths[:, None])[:, None, :]  # [B, 1, S]
+        scores = jnp.where(in_prompt, scores, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1)
+        sorted_desc = -jnp.sort(-scores, axis=-1)
+        token_recall, mass_recall, inner = [], [], []
+        for p, budget, s in zip(self.policies, self.budgets, state.inner):
+            idx, mask = p.select(s, q, keys, lengths, prompt_lengths)
+            if idx.shape[1] != N:  # one selection per KV head, shared by its query heads
+                idx, mask = jnp.repeat(idx, G, axis=1), jnp.repeat(mask, G, axis=1)
+            chosen = jnp.zeros((B, N, S), jnp.float32)
+            chosen = jax.vmap(jax.vmap(lambda c, i, m: c.at[i].max(m.astype(jnp.float32))))(chosen, idx, mask)
+            chosen = chosen * in_prompt
+            k = jnp.minimum(budget, prompt_lengths)  # [B]
+            kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None, None].repeat(N, 1), axis=-1)  # [B, N, 1]
+            top = (scores >= kth) & in_prompt
+            hits = jnp.sum(chosen * top, axis=-1) / k[:, None]
+            mass = jnp.sum(chosen * probs, axis=-1)
+            active = state.layer >= p.full_layers
+            token_recall.append(jnp.where(active, jnp.mean(hits), 0.0))
+            mass_recall.append(jnp.where(active, jnp.mean(mass), 0.0))
+            # Advance the wrapped policy as it would advance itself (decode-time clustering, pages, ...).
+            inner.append(jax.lax.cond(active, lambda s, p=p: p.decode_attention(s, q, keys, values, lengths,
+                                                                                prompt_lengths)[1],
+                                      lambda s: s, s))
+        out = decode_attention(q, keys, values, lengths)
+        return out, state.replace(
+            inner=tuple(inner),
+            token_recall=state.token_recall + jnp.stack(token_recall),
+            mass_recall=state.mass_recall + jnp.stack(mass_recall),
+            steps=state.steps + 1,
+        )
+
+    def summary(self, state: ProbeState) -> list[tuple[float, float]]:
+        """(token recall, mass recall) per wrapped policy, averaged over steps and its compressed layers."""
+        token = np.asarray(state.token_recall)
+        mass = np.asarray(state.mass_recall)
+        steps = np.asarray(state.steps)
+        out = []
+        for i, p in enumerate(self.policies):
+            layers = np.arange(token.shape[0]) >= p.full_layers
+            n = steps[layers].sum()
+            out.append((float(token[layers, i].sum() / n), float(mass[layers, i].sum() / n)))
+        return out
+
+
+def make_policy(name: str, budget: int, **clusterkv_options: Any) -> KVPolicy:
+    """A policy by its CLI name at the given budget."""
+    from clusterkv_jax import policies
+
+    if name == "clusterkv":
+        return policies.ClusterKV(budget=budget, **clusterkv_options)
+    if name == "quest":
+        return policies.Quest(budget=budget)
+    if name == "streaming":
+        return policies.StreamingLLM(budget=budget)
+    if name == "oracle":
+        return policies.OracleTopK(budget=budget)
+    raise ValueError(f"unknown policy {name!r}; choose from clusterkv, quest, streaming, oracle")
+
+
+def run_recall(
+    model,
+    token_ids: list[int],
+    *,
+    context: int,
+    steps: int,
+    budgets: list[int],
+    policy_names: list[str],
+    clusterkv_options: dict[str, Any] | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Prefills `context` tokens, teacher-forces `steps` more, and scores every (policy, budget)."""
+    from tqdm.auto import tqdm
+
+    from clusterkv_jax.cache import init_cache
+    from clusterkv_jax.generate import bucket_length, cache_capacity, decode_step, prefill
+
+    if len(token_ids) < context + steps:
+        raise ValueError(f"text has {len(token_ids)} tokens; --context {context} + --steps {steps} needs more")
+    if steps < 1:
+        raise ValueError("--steps must be >= 1")
+    combos = [(n, b) for n in policy_names for b in budgets]
+    probe = RecallProbe(
+        policies=tuple(make_policy(n, b, **(clusterkv_options if n == "clusterkv" else {}) or {}) for n, b in combos),
+        budgets=tuple(b for _, b in combos),
+    )
+    config = model.config
+    bucket = bucket_length(context)
+    dtype = jax.tree_util.tree_leaves(model.params)[0].dtype
+    cache = init_cache(config, probe, 1, cache_capacity(bucket, steps), dtype)
+    tokens = np.zeros((1, bucket), np.int32)
+    tokens[0, :context] = token_ids[:context]
+    _, cache = prefill(model.params, jnp.asarray(tokens), jnp.array([context], jnp.int32), cache,
+                       config=config, policy=probe)
+    for i in tqdm(range(steps), desc="recall: decode steps", disable=not progress, file=sys.stderr):
+        nxt = jnp.array([token_ids[context + i]], jnp.int32)
+        _, cache = decode_step(model.params, nxt, cache, config=config, policy=probe)
+    results: dict[str, Any] = {"token_recall": {}, "mass_recall": {}, "context": context, "steps": steps}
+    for (name, budget), (token, mass) in zip(combos, probe.summary(cache.policy_state)):
+        results["token_recall"].setdefault(name, {})[str(budget)] = token
+        results["mass_recall"].setdefault(name, {})[str(budget)] = mass
+    return results
+
+
+def format_table(results: dict[str, Any]) -> str:
+    """Markdown table: policy × budget, 'token recall / mass recall'."""
+    token, mass = results["token_recall"], results["mass_recall"]
+    budgets = list(next(iter(token.values())).keys())
+    lines = ["| policy | " + " | ".join(f"B={b}" for b in budgets) + " |",
+             "|---|" + "---|" * len(budgets)]
+    for name in token:
+        cells = [f"{token[name][b]:.3f} / {mass[name][b]:.3f}" for b in budgets]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n(cells: top-B token recall / attention-mass recall)"
+
+
+def write_json(results: dict[str, Any], path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(results, f, indent=2)

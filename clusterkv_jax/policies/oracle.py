@@ -1,0 +1,65 @@
+"""OracleTopK: the exact top-B prompt tokens by q·k for every query head, the upper bound for recall.
+
+Shapes: B batch, N query heads, K KV heads, G = N // K, S capacity, H head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from clusterkv_jax.policies.base import KVPolicy
+from clusterkv_jax.policies.common import attend_to_indices, expand_heads, recent_window
+
+
+@dataclasses.dataclass(frozen=True)
+class OracleTopK(KVPolicy):
+    """Each query head attends to the `budget` prompt tokens (positions < prompt_length) with the largest
+    raw inner product q·k (query head n reads KV head n // G), found by scoring every prompt token, plus every
+    generated token [prompt_length, length).
+
+    Not a practical policy (it reads all keys every step); it is the ideal selection a compressed policy's
+    recall is measured against. It keeps no index (its state is a placeholder).
+
+    Budget accounting: the budget covers prompt tokens only; it never indexes generated tokens, so all of
+    them are attended in full, outside the budget (a static window of S slots, masked past the length).
+    A prompt of n tokens gives min(n, budget) selected tokens per head.
+    """
+
+    budget: int = 1024
+    full_layers: int = 2
+
+    def __post_init__(self):
+        if self.budget <= 0:
+            raise ValueError(f"budget must be > 0, got {self.budget}")
+        if self.full_layers < 0:
+            raise ValueError(f"full_layers must be >= 0, got {self.full_layers}")
+
+    def init_state(self, config, batch_size, capacity):
+        return jnp.zeros((config.num_layers,), jnp.int32)  # a placeholder leaf: scan needs an [L] axis
+
+    def after_prefill(self, state, keys, lengths):
+        return state
+
+    def select(self, state, q, keys, lengths, prompt_lengths):
+        """The exact top prompt tokens: idx, mask [B, N, min(budget, S)]."""
+        B, N, H = q.shape
+        K, S = keys.shape[1], keys.shape[2]
+        qg = q.reshape(B, K, N // K, H)  # [B, K, G, H]
+        scores = jnp.einsum("BKGH,BKSH->BKGS", qg, keys, preferred_element_type=jnp.float32).reshape(B, N, S)
+        in_prompt = jnp.arange(S)[None, None, :] < prompt_lengths[:, None, None]  # [B, 1, S]
+        scores = jnp.where(in_prompt, scores, -jnp.inf)
+        _, idx = jax.lax.top_k(scores, min(self.budget, S))  # [B, N, M]
+        # Finite prompt scores rank above the -inf padding, so only slots past the prompt are masked.
+        return idx, idx < prompt_lengths[:, None, None]
+
+    def decode_attention(self, state, q, keys, values, lengths, prompt_lengths):
+        idx, mask = self.select(state, q, keys, lengths, prompt_lengths)
+        S, N = keys.shape[2], q.shape[1]
+        # The generated region [prompt_length, length) is bounded only by the capacity: S static slots.
+        w_idx, w_mask = recent_window(lengths, prompt_lengths, S)  # [B, S]
+        idx = jnp.concatenate([idx, expand_heads(w_idx, N)], axis=-1)
+        mask = jnp.concatenate([mask, expand_heads(w_mask, N)], axis=-1)
+        return attend_to_indices(q, keys, values, idx, mask), state

@@ -1,0 +1,156 @@
+"""Quest (Tang et al., 2024): query-aware page selection from per-page key bounds.
+
+Tokens are grouped into pages of `page_size` consecutive positions. Each page keeps the element-wise minimum
+and maximum of its keys; a query's upper bound on any q·k inside the page is Σ_d max(q_d·kmax_d, q_d·kmin_d),
+and each query head attends to the tokens of its top-scoring pages.
+
+Shapes: B batch, N query heads, K KV heads, G = N // K, S capacity, H head dim, P page capacity,
+M selected slots per head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from clusterkv_jax.policies.base import KVPolicy
+from clusterkv_jax.policies.common import attend_to_indices, expand_heads, recent_window
+
+
+@flax.struct.dataclass
+class QuestState:
+    """One page index; `init_state` returns it with a leading [L] axis on every leaf."""
+
+    kmin: jax.Array  # [B, K, P, H] float32: element-wise min of the page's keys (0 for unused pages)
+    kmax: jax.Array  # [B, K, P, H] float32: element-wise max
+    page_start: jax.Array  # [B, P] int32: first position of the page
+    page_len: jax.Array  # [B, P] int32: tokens in the page, 0 = unused slot
+    indexed_upto: jax.Array  # [B] int32: positions [0, indexed_upto) are paged
+
+
+@dataclasses.dataclass(frozen=True)
+class Quest(KVPolicy):
+    """Quest page selection.
+
+    Prefill pages the prompt [0, prompt_length) (the last page may be partial). During decoding, as soon as
+    `page_size` generated tokens lie past `indexed_upto` they become a new page. Each query head scores every
+    page with the upper bound Σ_d max(q_d·kmax_d, q_d·kmin_d) (query head n reads KV head n // G) and attends
+    to the tokens of its top `budget // page_size` pages, plus the not-yet-paged generated tokens
+    [indexed_upto, length) (fewer than `page_size`, a static window of `page_size` slots).
+
+    Budget accounting: pages are selected whole, so at most `budget // page_size` pages, i.e. at most
+    `budget` tokens (a partial prompt page counts its real tokens only), come from the prompt and from
+    already-paged generated tokens. There are no attention sinks. The unpaged tail is attended in full
+    and is not counted. With a budget covering every page, every token is attended.
+    """
+
+    budget: int = 1024
+    page_size: int = 16
+    full_layers: int = 2
+
+    def __post_init__(self):
+        if self.page_size <= 0:
+            raise ValueError(f"page_size must be > 0, got {self.page_size}")
+        if self.budget <= 0:
+            raise ValueError(f"budget must be > 0, got {self.budget}")
+        if self.budget < self.page_size:
+            raise ValueError(f"budget={self.budget} must be >= page_size={self.page_size} (one whole page)")
+        if self.full_layers < 0:
+            raise ValueError(f"full_layers must be >= 0, got {self.full_layers}")
+
+    def num_pages(self, capacity: int) -> int:
+        """Static page capacity: prompt pages plus generated pages never exceed ceil(S / page_size) + 1."""
+        return -(-capacity // self.page_size) + 1
+
+    def init_state(self, config, batch_size, capacity):
+        L, B, K, H = config.num_layers, batch_size, config.num_kv_heads, config.head_dim
+        P = self.num_pages(capacity)
+        return QuestState(
+            kmin=jnp.zeros((L, B, K, P, H), jnp.float32),
+            kmax=jnp.zeros((L, B, K, P, H), jnp.float32),
+            page_start=jnp.zeros((L, B, P), jnp.int32),
+            page_len=jnp.zeros((L, B, P), jnp.int32),
+            indexed_upto=jnp.zeros((L, B), jnp.int32),
+        )
+
+    def after_prefill(self, state: QuestState, keys, lengths):
+        B, K, S, H = keys.shape
+        P, ps = state.kmin.shape[2], self.page_size
+        # Pad the store to P whole pages (P * ps >= S + ps) so it reshapes into [B, K, P, ps, H].
+        k32 = jnp.pad(keys.astype(jnp.float32), ((0, 0), (0, 0), (0, P * ps - S), (0, 0)))
+        pages = k32.reshape(B, K, P, ps, H)
+        pos = jnp.arange(P * ps, dtype=jnp.int32).reshape(P, ps)
+        valid = pos[None] < lengths[:, None, None]  # [B, P, ps]
+        vmask = valid[:, None, :, :, None]  # [B, 1, P, ps, 1]
+        kmin = jnp.min(jnp.where(vmask, pages, jnp.inf), axis=3)  # [B, K, P, H]
+        kmax = jnp.max(jnp.where(vmask, pages, -jnp.inf), axis=3)
+        page_len = jnp.sum(valid, axis=-1, dtype=jnp.int32)  # [B, P]
+        used = page_len > 0
+        # Unused pages hold 0 rather than ±inf, so scoring them never produces inf * 0 = NaN.
+        kmin = jnp.where(used[:, None, :, None], kmin, 0.0)
+        kmax = jnp.where(used[:, None, :, None], kmax, 0.0)
+        page_start = jnp.where(used, pos[:, 0][None], 0)
+        return QuestState(kmin=kmin, kmax=kmax, page_start=page_start, page_len=page_len,
+                          indexed_upto=lengths.astype(jnp.int32))
+
+    def append_pages(self, state: QuestState, keys, lengths) -> QuestState:
+        """Pages the `page_size` generated tokens past `indexed_upto` of every sequence that has them."""
+        B, K, S, H = keys.shape
+        P, ps = state.kmin.shape[2], self.page_size
+        start = state.indexed_upto  # [B]
+        slot = jnp.sum(state.page_len > 0, axis=-1, dtype=jnp.int32)  # [B] first free page slot
+        ready = (lengths - start >= ps) & (slot < P)  # [B]
+
+        def append(state: QuestState) -> QuestState:
+            idx = jnp.minimum(start[:, None] + jnp.arange(ps, dtype=jnp.int32), S - 1)  # [B, ps]
+            rows = jnp.take_along_axis(keys, idx[:, None, :, None], axis=2).astype(jnp.float32)  # [B, K, ps, H]
+            hit = (jnp.arange(P)[None, :] == slot[:, None]) & ready[:, None]  # [B, P]
+            hit4 = hit[:, None, :, None]  # [B, 1, P, 1]
+            return QuestState(
+                kmin=jnp.where(hit4, jnp.min(rows, axis=2)[:, :, None, :], state.kmin),
+                kmax=jnp.where(hit4, jnp.max(rows, axis=2)[:, :, None, :], state.kmax),
+                page_start=jnp.where(hit, start[:, None], state.page_start),
+                page_len=jnp.where(hit, ps, state.page_len),
+                indexed_upto=jnp.where(ready, start + ps, start),
+            )
+
+        # A page completes once every page_size steps: skip the gather and rewrite on the other steps.
+        return jax.lax.cond(jnp.any(ready), append, lambda s: s, state)
+
+    def page_scores(self, state: QuestState, q) -> jax.Array:
+        """Upper bounds Σ_d max(q_d·kmax_d, q_d·kmin_d) per query head and page -> [B, N, P] (-inf if unused)."""
+        B, N, H = q.shape
+        K, P = state.kmin.shape[1], state.kmin.shape[2]
+        qg = q.astype(jnp.float32).reshape(B, K, N // K, H)  # [B, K, G, H]
+        # kmax >= kmin, so max(q_d·kmax_d, q_d·kmin_d) takes kmax where q_d > 0 and kmin where q_d < 0:
+        # two einsums instead of a [B, K, G, P, H] product.
+        pos = jnp.einsum("BKGH,BKPH->BKGP", jnp.maximum(qg, 0.0), state.kmax)
+        neg = jnp.einsum("BKGH,BKPH->BKGP", jnp.minimum(qg, 0.0), state.kmin)
+        scores = (pos + neg).reshape(B, N, P)
+        return jnp.where(state.page_len[:, None, :] > 0, scores, -jnp.inf)
+
+    def select(self, state: QuestState, q, keys, lengths, prompt_lengths):
+        """Tokens of each query head's top pages: idx, mask [B, N, n_pages * page_size]."""
+        B, N, _ = q.shape
+        P, ps = state.kmin.shape[2], self.page_size
+        n_pages = min(self.budget // ps, P)
+        _, top = jax.lax.top_k(self.page_scores(state, q), n_pages)  # [B, N, n_pages]
+        start = jnp.take_along_axis(jnp.broadcast_to(state.page_start[:, None, :], (B, N, P)), top, axis=2)
+        plen = jnp.take_along_axis(jnp.broadcast_to(state.page_len[:, None, :], (B, N, P)), top, axis=2)
+        offsets = jnp.arange(ps, dtype=jnp.int32)
+        mask = offsets < plen[..., None]  # [B, N, n_pages, ps]: partial and unused pages masked
+        idx = jnp.where(mask, start[..., None] + offsets, 0)
+        return idx.reshape(B, N, n_pages * ps), mask.reshape(B, N, n_pages * ps)
+
+    def decode_attention(self, state, q, keys, values, lengths, prompt_lengths):
+        # Page first, so the window below only holds the < page_size tokens not yet paged.
+        state = self.append_pages(state, keys, lengths)
+        idx, mask = self.select(state, q, keys, lengths, prompt_lengths)
+        w_idx, w_mask = recent_window(lengths, state.indexed_upto, self.page_size)  # [B, page_size]
+        N = q.shape[1]
+        idx = jnp.concatenate([idx, expand_heads(w_idx, N)], axis=-1)
+        mask = jnp.concatenate([mask, expand_heads(w_mask, N)], axis=-1)
+        return attend_to_indices(q, keys, values, idx, mask), state

@@ -1,0 +1,62 @@
+"""StreamingLLM (Xiao et al., 2024): attention sinks plus a sliding window, a non-recallable eviction baseline.
+
+Shapes: B batch, N query heads, K KV heads, S capacity, H head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from clusterkv_jax.policies.base import KVPolicy
+from clusterkv_jax.policies.common import attend_to_indices, expand_heads, recent_window, sink_slots
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamingLLM(KVPolicy):
+    """Attends the first `sinks` tokens and the most recent `budget - sinks` tokens of the whole sequence.
+
+    Everything in between is evicted for good: the choice ignores the query, so a token that left the window
+    can never be recalled. It keeps no index (its state is a placeholder).
+
+    Budget accounting: the budget covers every attended token, sinks and generated tokens included (an
+    eviction policy holds a fixed B-token cache, so no generated token is attended outside the budget and
+    the recent window of `decode_attention` is empty). A sequence of n tokens attends min(n, budget) of them.
+    """
+
+    budget: int = 1024
+    sinks: int = 16
+    full_layers: int = 2
+
+    def __post_init__(self):
+        if self.budget <= 0:
+            raise ValueError(f"budget must be > 0, got {self.budget}")
+        if self.sinks < 0:
+            raise ValueError(f"sinks must be >= 0, got {self.sinks}")
+        if self.budget < self.sinks:
+            raise ValueError(f"budget={self.budget} must be >= sinks={self.sinks}")
+        if self.full_layers < 0:
+            raise ValueError(f"full_layers must be >= 0, got {self.full_layers}")
+
+    def init_state(self, config, batch_size, capacity):
+        return jnp.zeros((config.num_layers,), jnp.int32)  # a placeholder leaf: scan needs an [L] axis
+
+    def after_prefill(self, state, keys, lengths):
+        return state
+
+    def select(self, state, q, keys, lengths, prompt_lengths):
+        """Sinks then the sliding window: idx, mask [B, N, budget], the same for every head."""
+        recent = self.budget - self.sinks
+        s_idx, s_mask = sink_slots(lengths, self.sinks)  # [B, sinks]
+        # The window starts after the sinks, so short sequences never attend a token twice.
+        start = jnp.maximum(jnp.minimum(lengths, self.sinks), lengths - recent)  # [B]
+        r_idx, r_mask = recent_window(lengths, start, recent)  # [B, budget - sinks]
+        N = q.shape[1]
+        idx = expand_heads(jnp.concatenate([s_idx, r_idx], axis=-1), N)
+        mask = expand_heads(jnp.concatenate([s_mask, r_mask], axis=-1), N)
+        return idx, mask
+
+    def decode_attention(self, state, q, keys, values, lengths, prompt_lengths):
+        idx, mask = self.select(state, q, keys, lengths, prompt_lengths)
+        return attend_to_indices(q, keys, values, idx, mask), state
