@@ -86,9 +86,9 @@ class ModelConfig:
             )
         if hf.get("layer_types") and any(t != "full_attention" for t in hf["layer_types"]):
             raise ValueError(f"unsupported layer_types {sorted(set(hf['layer_types']))}; only full_attention")
-        if (hf.get("pretraining_tp") or 1) != 1:
-            # Transformers ignores it at inference, and so do we; tp only splits the same matmuls.
-            pass
+        if hf.get("quantization_config"):
+            method = hf["quantization_config"].get("quant_method", "?")
+            raise ValueError(f"unsupported quantization_config (quant_method={method!r}); convert from unquantized weights")
 
         num_heads = hf["num_attention_heads"]
         hidden = hf["hidden_size"]
@@ -151,6 +151,9 @@ def _parse_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling]:
         raise ValueError(f"rope scaling factor must be positive, got {factor}")
     if rope_type == "linear":
         return theta, RopeScaling(rope_type="linear", factor=factor)
+    missing = [k for k in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings") if k not in scaling]
+    if missing:
+        raise ValueError(f"llama3 rope scaling lacks {', '.join(missing)}")
     return theta, RopeScaling(
         rope_type="llama3",
         factor=factor,

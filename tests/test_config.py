@@ -37,6 +37,8 @@ def test_qwen2_gets_qkv_bias_and_eos_lists():
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"mlp_bias": True}, "mlp_bias"),
         ({"num_attention_heads": 4, "num_key_value_heads": 3}, "multiple"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lacks low_freq_factor"),
+        ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
     ],
 )
 def test_unsupported_fields_are_refused_by_name(override, message):
