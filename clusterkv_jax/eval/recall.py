@@ -113,21 +113,6 @@ class RecallProbe(KVPolicy):
         return out
 
 
-def make_policy(name: str, budget: int, **clusterkv_options: Any) -> KVPolicy:
-    """A policy by its CLI name at the given budget."""
-    from clusterkv_jax import policies
-
-    if name == "clusterkv":
-        return policies.ClusterKV(budget=budget, **clusterkv_options)
-    if name == "quest":
-        return policies.Quest(budget=budget)
-    if name == "streaming":
-        return policies.StreamingLLM(budget=budget)
-    if name == "oracle":
-        return policies.OracleTopK(budget=budget)
-    raise ValueError(f"unknown policy {name!r}; choose from clusterkv, quest, streaming, oracle")
-
-
 def run_recall(
     model,
     token_ids: list[int],
@@ -149,6 +134,8 @@ def run_recall(
         raise ValueError(f"text has {len(token_ids)} tokens; --context {context} + --steps {steps} needs more")
     if steps < 1:
         raise ValueError("--steps must be >= 1")
+    from clusterkv_jax.eval.policies import make_policy
+
     combos = [(n, b) for n in policy_names for b in budgets]
     probe = RecallProbe(
         policies=tuple(make_policy(n, b, **(clusterkv_options if n == "clusterkv" else {}) or {}) for n, b in combos),

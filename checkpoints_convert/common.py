@@ -1,0 +1,237 @@
+"""What both converters share: the param layout they map onto (named as HF names it), the tensor-source
+interface they read through, dtype resolution, and the atomic staging and publishing of the output
+directory."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import shutil
+import tempfile
+from typing import Any, Callable, Iterable
+
+import ml_dtypes
+import numpy as np
+from tqdm.auto import tqdm
+
+from clusterkv_jax.config import ModelConfig
+from clusterkv_jax.model import param_shapes
+
+DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32)}
+
+# Source tensor dtypes we read; bfloat16 is ml_dtypes', which numpy does not count as np.floating.
+_FLOAT_DTYPES = tuple(np.dtype(t) for t in (np.float16, np.float32, np.float64, ml_dtypes.bfloat16))
+
+# Tensors in HF files that hold no parameters of ours.
+_HF_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# HF tensor layout
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    """Where one leaf of the param pytree comes from in an HF state dict."""
+
+    path: tuple[str, ...]  # key path in the param pytree
+    hf_name: str  # with "{i}" for the layer index when `stacked`
+    hf_shape: tuple[int, ...]  # per layer, PyTorch order
+    to_ours: Callable[[np.ndarray], np.ndarray] | None  # None: same layout
+    stacked: bool
+
+
+def _hf_sources(config: ModelConfig) -> list[_Source]:
+    """The HF origin of every param leaf. HF Linear weights are [out, in]; ours are [in, ..., out]."""
+    c = config
+    D, N, K, H, F, V = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.vocab_size
+    layer = "model.layers.{i}."
+
+    def stacked(name, hf_name, hf_shape, to_ours=None):
+        return _Source(("layers", name), layer + hf_name, hf_shape, to_ours, True)
+
+    sources = [
+        _Source(("embed",), "model.embed_tokens.weight", (V, D), None, False),
+        stacked("attn_norm", "input_layernorm.weight", (D,)),
+        stacked("q", "self_attn.q_proj.weight", (N * H, D), lambda w: w.T.reshape(D, N, H)),
+        stacked("k", "self_attn.k_proj.weight", (K * H, D), lambda w: w.T.reshape(D, K, H)),
+        stacked("v", "self_attn.v_proj.weight", (K * H, D), lambda w: w.T.reshape(D, K, H)),
+        stacked("o", "self_attn.o_proj.weight", (D, N * H), lambda w: w.T.reshape(N, H, D)),
+        stacked("mlp_norm", "post_attention_layernorm.weight", (D,)),
+        stacked("gate", "mlp.gate_proj.weight", (F, D), lambda w: w.T),
+        stacked("up", "mlp.up_proj.weight", (F, D), lambda w: w.T),
+        stacked("down", "mlp.down_proj.weight", (D, F), lambda w: w.T),
+    ]
+    if c.qkv_bias:
+        sources += [
+            stacked("q_bias", "self_attn.q_proj.bias", (N * H,), lambda b: b.reshape(N, H)),
+            stacked("k_bias", "self_attn.k_proj.bias", (K * H,), lambda b: b.reshape(K, H)),
+            stacked("v_bias", "self_attn.v_proj.bias", (K * H,), lambda b: b.reshape(K, H)),
+        ]
+    if c.o_bias:
+        sources.append(stacked("o_bias", "self_attn.o_proj.bias", (D,)))
+    sources.append(_Source(("final_norm",), "model.norm.weight", (D,), None, False))
+    if not c.tie_word_embeddings:
+        sources.append(_Source(("lm_head",), "lm_head.weight", (V, D), lambda w: w.T, False))
+    return sources
+
+
+def _hf_names(source: _Source, config: ModelConfig) -> list[str]:
+    if source.stacked:
+        return [source.hf_name.format(i=i) for i in range(config.num_layers)]
+    return [source.hf_name]
+
+
+def _is_ignorable_hf_name(name: str, config: ModelConfig) -> bool:
+    # A tied checkpoint may still store the (duplicate) head; the model reads the embedding instead.
+    return bool(_HF_IGNORED.fullmatch(name)) or (config.tie_word_embeddings and name == "lm_head.weight")
+
+
+class TensorSource:
+    """Named tensors in PyTorch layout, readable one at a time."""
+
+    def names(self) -> Iterable[str]:
+        raise NotImplementedError
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def read(self, name: str) -> np.ndarray:
+        raise NotImplementedError
+
+    def describe(self, name: str) -> str:
+        """The name as the user's file spells it, for error messages."""
+        return name
+
+
+def build_params(source: TensorSource, config: ModelConfig, dtype: np.dtype, desc: str = "tensors") -> dict:
+    """Checks names and shapes of every tensor first, then reads them into the param pytree of `dtype`."""
+    sources = _hf_sources(config)
+    present = set(source.names())
+    expected = [name for s in sources for name in _hf_names(s, config)]
+    missing = [name for name in expected if name not in present]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"checkpoint is missing tensor {source.describe(missing[0])!r}{more}")
+    unexpected = sorted(n for n in present - set(expected) if not _is_ignorable_hf_name(n, config))
+    if unexpected:
+        shown = ", ".join(repr(source.describe(n)) for n in unexpected[:5])
+        more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
+        raise ValueError(
+            f"checkpoint has tensors this {config.model_type} config does not use: {shown}{more}; "
+            "the architecture variant is not supported"
+        )
+    for s in sources:
+        for name in _hf_names(s, config):
+            got = tuple(source.shape(name))
+            if got != s.hf_shape:
+                raise ValueError(f"tensor {source.describe(name)!r} has shape {got}, expected {s.hf_shape}")
+
+    tree_shapes = param_shapes(config)
+    params: dict[str, Any] = {}
+    with tqdm(total=len(expected), desc=desc, unit="tensor", leave=False) as bar:
+        for s in sources:
+            node, key = params, s.path[-1]
+            for part in s.path[:-1]:
+                node = node.setdefault(part, {})
+            shape = _lookup(tree_shapes, s.path)
+            out = np.empty(shape, dtype)
+            for index, name in enumerate(_hf_names(s, config)):
+                weight = source.read(name)
+                if weight.dtype not in _FLOAT_DTYPES:
+                    raise ValueError(f"tensor {source.describe(name)!r} has dtype {weight.dtype}, not floating point")
+                weight = s.to_ours(weight) if s.to_ours else weight
+                if s.stacked:
+                    out[index] = weight.astype(dtype, copy=False)
+                else:
+                    out[...] = weight.astype(dtype, copy=False)
+                bar.update()
+            node[key] = out
+    _check_layout(params, tree_shapes)
+    return params
+
+
+def _lookup(tree: dict, path: tuple[str, ...]):
+    for part in path:
+        tree = tree[part]
+    return tree
+
+
+def _flatten(tree: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, prefix + (key,)))
+        else:
+            out[prefix + (key,)] = value
+    return out
+
+
+def _check_layout(params: dict, shapes: dict) -> None:
+    """Guards the converter against drifting from `param_shapes`, the model's contract."""
+    got = {path: tuple(leaf.shape) for path, leaf in _flatten(params).items()}
+    want = _flatten(shapes)
+    assert got == want, f"converter layout {got} does not match param_shapes {want}"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Output directory
+# ----------------------------------------------------------------------------------------------------------
+
+
+def resolve_dtype(dtype: Any) -> tuple[str, np.dtype]:
+    name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    if name not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    return name, DTYPES[name]
+
+
+@contextlib.contextmanager
+def staging_dir(dst: str, overwrite: bool):
+    """Yields an empty temporary sibling of `dst`, renamed to `dst` when the block succeeds, deleted if it fails."""
+    if os.path.lexists(dst) and not overwrite:
+        raise FileExistsError(f"destination {dst!r} already exists; pass overwrite=True (--overwrite) to replace it")
+    parent = os.path.dirname(dst)
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.tmp-", dir=parent)
+    try:
+        # mkdtemp makes the directory private (0700); a checkpoint should be readable like any other output.
+        os.chmod(staging, 0o755)
+        yield staging
+        _publish(staging, dst)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _publish(staging: str, dst: str) -> None:
+    """Moves `staging` to `dst`, replacing an existing `dst` only once the new one is in place."""
+    if not os.path.lexists(dst):
+        os.rename(staging, dst)
+        return
+    old = staging + ".old"
+    os.rename(dst, old)
+    try:
+        os.rename(staging, dst)
+    except BaseException:
+        os.rename(old, dst)
+        raise
+    if os.path.isdir(old) and not os.path.islink(old):
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.remove(old)
+
+
+def write_json(path: str, obj: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+
+
+def read_json(path: str) -> Any:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)

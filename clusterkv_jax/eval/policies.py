@@ -1,0 +1,28 @@
+"""Policies by their CLI names, for the evaluation sweeps."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from clusterkv_jax.policies import ClusterKV, FullKV, KVPolicy, OracleTopK, Quest, StreamingLLM
+
+POLICY_CLASSES = {"clusterkv": ClusterKV, "quest": Quest, "streaming": StreamingLLM, "oracle": OracleTopK}
+
+
+def make_policy(name: str, budget: int, **options: Any) -> KVPolicy:
+    """The policy called `name` at `budget` tokens; `full` ignores the budget."""
+    if name == "full":
+        return FullKV()
+    if name not in POLICY_CLASSES:
+        raise ValueError(f"unknown policy {name!r}; choose from full, {', '.join(POLICY_CLASSES)}")
+    return POLICY_CLASSES[name](budget=budget, **options)
+
+
+def parse_policies(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    for n in names:
+        if n != "full" and n not in POLICY_CLASSES:
+            raise ValueError(f"unknown policy {n!r}; choose from full, {', '.join(POLICY_CLASSES)}")
+    if not names:
+        raise ValueError("no policies given")
+    return names

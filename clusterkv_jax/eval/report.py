@@ -1,0 +1,54 @@
+"""Writing an evaluation's results: JSON, a markdown table and a PNG plot (policy curves over budgets)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+
+def markdown_table(table: dict[str, dict[str, float]], fmt: str = "{:.3f}") -> str:
+    """{policy: {budget: value}} -> a markdown table, one row per policy, one column per budget."""
+    budgets = sorted({b for row in table.values() for b in row}, key=int)
+    lines = ["| policy | " + " | ".join(f"B={b}" for b in budgets) + " |", "|---|" + "---|" * len(budgets)]
+    for name, row in table.items():
+        lines.append(f"| {name} | " + " | ".join(fmt.format(row[b]) if b in row else "" for b in budgets) + " |")
+    return "\n".join(lines)
+
+
+def plot(tables: dict[str, dict[str, dict[str, float]]], path: str, title: str) -> None:
+    """One panel per metric; a line per policy over budgets (log2 x axis)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(tables), figsize=(5.5 * len(tables), 4), squeeze=False)
+    for ax, (metric, table) in zip(axes[0], tables.items()):
+        for name, row in table.items():
+            budgets = sorted(row, key=int)
+            ax.plot([int(b) for b in budgets], [row[b] for b in budgets], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("budget B (tokens)")
+        ax.set_ylabel(metric)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(results: dict[str, Any], out_dir: str, name: str, tables: dict[str, dict], title: str,
+                 fmt: str = "{:.3f}") -> dict[str, str]:
+    """Writes NAME.json, NAME.md and NAME.png into out_dir; returns their paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {ext: os.path.join(out_dir, f"{name}.{ext}") for ext in ("json", "md", "png")}
+    with open(paths["json"], "w") as f:
+        json.dump(results, f, indent=2)
+    with open(paths["md"], "w") as f:
+        f.write(f"# {title}\n\n")
+        for metric, table in tables.items():
+            f.write(f"## {metric}\n\n{markdown_table(table, fmt)}\n\n")
+    plot(tables, paths["png"], title)
+    return paths

@@ -1,0 +1,102 @@
+"""Time the Pallas kernels against their pure-jnp references at realistic ClusterKV shapes.
+
+    python -m pallas_kernels.bench [--repeats 5]
+
+Median wall time of `--repeats` runs after a warm-up (compile) run, each ended by block_until_ready. On a
+machine without a CUDA GPU (compute capability >= 8.0) only the references are timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.centroid_update import centroid_update, centroid_update_reference
+from pallas_kernels.cluster_index import cluster_to_token_index, cluster_to_token_index_reference
+from pallas_kernels.dispatch import kernels_supported
+
+P, N, C, M = 8, 32768, 400, 1024  # KV heads (× batch 1), tokens, clusters, budget slots
+
+
+def _median_ms(fn, *args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))  # compile + warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def _centroid_inputs(rng: np.random.Generator, H: int, dtype):
+    keys = jnp.asarray(rng.standard_normal((P, N, H), np.float32), dtype)
+    labels = rng.integers(0, C, (P, N)).astype(np.int32)
+    labels[:, N - N // 8 :] = C  # a padded tail, as K-means marks masked tokens
+    return keys, jnp.asarray(labels)
+
+
+def _index_inputs(rng: np.random.Generator):
+    labels = rng.integers(0, C, (P, N))
+    sizes = np.stack([np.bincount(row, minlength=C) for row in labels]).astype(np.int32)
+    starts = (np.cumsum(sizes, axis=1) - sizes).astype(np.int32)
+    sorted_tokens = np.argsort(labels, axis=1, kind="stable").astype(np.int32)
+    order = np.argsort(-rng.standard_normal((P, C)), axis=1)  # a random score order
+    ranked_sizes = np.take_along_axis(sizes, order, axis=1)
+    ranked_starts = np.take_along_axis(starts, order, axis=1)
+    return jnp.asarray(ranked_sizes), jnp.asarray(ranked_starts), jnp.asarray(sorted_tokens)
+
+
+def _row(name: str, shapes: str, ref_ms: float, kernel_ms: float | None, err: str = "") -> None:
+    if kernel_ms is None:
+        print(f"{name:24s} {shapes:34s} reference {ref_ms:9.3f} ms   kernel      (n/a)")
+    else:
+        print(
+            f"{name:24s} {shapes:34s} reference {ref_ms:9.3f} ms   kernel {kernel_ms:9.3f} ms   "
+            f"speed-up {ref_ms / kernel_ms:6.2f}x  {err}"
+        )
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    device = jax.devices()[0]
+    on_gpu = kernels_supported(device)
+    print(f"jax {jax.__version__} on {device.platform} ({device.device_kind}); median of {args.repeats} runs")
+    if not on_gpu:
+        print("kernels: not timed, they need a CUDA GPU with compute capability >= 8.0 (sm80+); references only")
+    rng = np.random.default_rng(0)
+
+    for H in (128, 64):
+        for dtype in (jnp.float32, jnp.bfloat16):
+            keys, labels = _centroid_inputs(rng, H, dtype)
+            ref = functools.partial(centroid_update_reference, num_clusters=C)
+            ref_ms = _median_ms(ref, keys, labels, repeats=args.repeats)
+            kernel_ms, err = None, ""
+            if on_gpu:
+                kern = functools.partial(centroid_update, num_clusters=C)
+                kernel_ms = _median_ms(kern, keys, labels, repeats=args.repeats)
+                (s, c), (rs, rc) = kern(keys, labels), ref(keys, labels)
+                err = f"max|Δsum| {float(jnp.max(jnp.abs(s - rs))):.2e}, counts equal {bool(jnp.all(c == rc))}"
+            _row(f"centroid_update C={C}", f"{jnp.dtype(dtype).name}[{P},{N},{H}]", ref_ms, kernel_ms, err)
+
+    sizes, starts, tokens = _index_inputs(rng)
+    ref = functools.partial(cluster_to_token_index_reference, slots=M)
+    ref_ms = _median_ms(ref, sizes, starts, tokens, repeats=args.repeats)
+    kernel_ms, err = None, ""
+    if on_gpu:
+        kern = functools.partial(cluster_to_token_index, slots=M)
+        kernel_ms = _median_ms(kern, sizes, starts, tokens, repeats=args.repeats)
+        (i, m), (ri, rm) = kern(sizes, starts, tokens), ref(sizes, starts, tokens)
+        err = f"idx equal {bool(jnp.all(i == ri))}, mask equal {bool(jnp.all(m == rm))}"
+    _row("cluster_to_token_index", f"P={P} C={C} S={N} M={M}", ref_ms, kernel_ms, err)
+
+
+if __name__ == "__main__":
+    main()
