@@ -26,5 +26,8 @@ demo: setup
 test: setup-test
 	$(PY) -m pytest -q
 
+check-lowering: setup
+	$(PY) -m pallas_kernels.check_lowering
+
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -23,29 +23,68 @@ class KVCache:
     lengths: jax.Array  # [B] int32: tokens stored (prompt + generated)
     prompt_lengths: jax.Array  # [B] int32: tokens that came from the prompt
     policy_state: Any  # the policy's pytree, every leaf with a leading [L] axis
+    # Offload only (policy.offload): the KV of layers >= full_layers in host memory, and device buffers.
+    host_k: jax.Array | None = None  # [L - full_layers, B, K, S, H] memory kind pinned_host
+    host_v: jax.Array | None = None
+    offload_state: Any = None  # clusterkv_jax.offload.OffloadState, leading [L] axis
 
     @property
     def capacity(self) -> int:
         return self.k.shape[3]
 
     @property
+    def offloaded(self) -> bool:
+        return self.host_k is not None
+
+    @property
     def batch_size(self) -> int:
         return self.k.shape[1]
 
 
+def offloaded_layers(config: ModelConfig, policy) -> int:
+    """How many layers keep their KV in host memory under this policy (0 without offload)."""
+    if not getattr(policy, "offload", False):
+        return 0
+    return max(0, config.num_layers - policy.full_layers)
+
+
 def init_cache(config: ModelConfig, policy, batch_size: int, capacity: int, dtype=jnp.bfloat16) -> KVCache:
-    """An empty cache for `batch_size` sequences of up to `capacity` tokens each."""
-    shape = (config.num_layers, batch_size, config.num_kv_heads, capacity, config.head_dim)
-    zeros_b = jnp.zeros((batch_size,), jnp.int32)
-    return KVCache(
-        k=jnp.zeros(shape, dtype),
-        v=jnp.zeros(shape, dtype),
+    """An empty cache for `batch_size` sequences of up to `capacity` tokens each.
+
+    With `policy.offload`, only the layers below `full_layers` keep device KV; the rest go to host memory.
+    """
+    L, B, K, H = config.num_layers, batch_size, config.num_kv_heads, config.head_dim
+    zeros_b = jnp.zeros((B,), jnp.int32)
+    policy_state = policy.init_state(config, B, capacity)
+    offloaded = offloaded_layers(config, policy)
+    # At least one device layer so indexing stays static; unused when every layer is offloaded.
+    device_layers = max(L - offloaded, 1)
+    cache = KVCache(
+        k=jnp.zeros((device_layers, B, K, capacity, H), dtype),
+        v=jnp.zeros((device_layers, B, K, capacity, H), dtype),
         lengths=zeros_b,
         prompt_lengths=zeros_b,
-        policy_state=policy.init_state(config, batch_size, capacity),
+        policy_state=policy_state,
+    )
+    if not offloaded:
+        return cache
+    from clusterkv_jax import offload
+
+    host_shape = (offloaded, B, K, capacity, H)
+    selection = offload.selection_shape(policy, config, policy_state, B)
+    return cache.replace(
+        host_k=offload.host_zeros(host_shape, dtype),
+        host_v=offload.host_zeros(host_shape, dtype),
+        offload_state=offload.init_offload_state(policy, config, B, capacity, dtype, selection),
     )
 
 
-def kv_bytes(cache: KVCache) -> int:
-    """Bytes held by the key and value arrays."""
-    return cache.k.nbytes + cache.v.nbytes
+def kv_bytes(cache: KVCache) -> dict[str, int]:
+    """Bytes of KV held on the device (full layers, plus ring and recall cache when offloaded) and on the host."""
+    device = cache.k.nbytes + cache.v.nbytes
+    host = 0
+    if cache.offloaded:
+        ost = cache.offload_state
+        device += ost.ring_k.nbytes + ost.ring_v.nbytes + ost.cache_k.nbytes + ost.cache_v.nbytes
+        host = cache.host_k.nbytes + cache.host_v.nbytes
+    return {"device": device, "host": host}

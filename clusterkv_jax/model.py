@@ -17,9 +17,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from clusterkv_jax import attention, offload
 from clusterkv_jax.cache import KVCache
 from clusterkv_jax.config import ModelConfig
-from clusterkv_jax import attention
 
 Params = dict[str, Any]
 
@@ -169,8 +169,11 @@ def forward_prefill(
     layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
     compressed = policy.full_layers < config.num_layers
 
+    offloaded = cache.offloaded
+    device_layers = config.num_layers - (cache.host_k.shape[0] if offloaded else 0)
+
     def layer_fn(carry, xs):
-        x, k_all, v_all = carry
+        x, k_all, v_all, host_k, host_v = carry
         layer, layer_id, state = xs
         h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
         q, k, v = _project_qkv(layer, h, positions, inv_freq)
@@ -178,29 +181,48 @@ def forward_prefill(
         # Store the keys and values as [B, K, T, H] rows 0..T of this layer.
         k_bkth = jnp.swapaxes(k, 1, 2).astype(k_all.dtype)
         v_bkth = jnp.swapaxes(v, 1, 2).astype(v_all.dtype)
-        k_all = jax.lax.dynamic_update_slice(k_all, k_bkth[None], (layer_id, 0, 0, 0, 0))
-        v_all = jax.lax.dynamic_update_slice(v_all, v_bkth[None], (layer_id, 0, 0, 0, 0))
-        if compressed:
+
+        def device_write(kv):
+            k_all, v_all, host_k, host_v = kv
+            k_all = jax.lax.dynamic_update_slice(k_all, k_bkth[None], (layer_id, 0, 0, 0, 0))
+            v_all = jax.lax.dynamic_update_slice(v_all, v_bkth[None], (layer_id, 0, 0, 0, 0))
+            return k_all, v_all, host_k, host_v
+
+        def host_write(kv):
+            k_all, v_all, host_k, host_v = kv
+            host_k, host_v = offload.write_prefill(host_k, host_v, layer_id - device_layers, k_bkth, v_bkth)
+            return k_all, v_all, host_k, host_v
+
+        kv = (k_all, v_all, host_k, host_v)
+        if offloaded:
+            k_all, v_all, host_k, host_v = jax.lax.cond(layer_id >= device_layers, host_write, device_write, kv)
+            # The policy indexes this layer's prompt keys from a transient device copy padded to capacity.
+            k_layer = jnp.pad(k_bkth, ((0, 0), (0, 0), (0, S - T), (0, 0)))
+        else:
+            k_all, v_all, host_k, host_v = device_write(kv)
             # [B, K, S, H] this layer's whole store, rows >= lengths are padding.
             k_layer = jax.lax.dynamic_index_in_dim(k_all, layer_id, keepdims=False)
+        if compressed:
             state = jax.lax.cond(
                 layer_id >= policy.full_layers,
                 lambda s: policy.after_prefill(s, k_layer, lengths),
                 lambda s: s,
                 state,
             )
-        return (_output_and_mlp(layer, config, x, attn), k_all, v_all), state
+        return (_output_and_mlp(layer, config, x, attn), k_all, v_all, host_k, host_v), state
 
-    (x, k_all, v_all), state = jax.lax.scan(
-        layer_fn, (x, cache.k, cache.v), (params["layers"], layer_ids, cache.policy_state)
+    (x, k_all, v_all, host_k, host_v), state = jax.lax.scan(
+        layer_fn, (x, cache.k, cache.v, cache.host_k, cache.host_v),
+        (params["layers"], layer_ids, cache.policy_state)
     )
     if all_logits:
         logits = _logits(params, config, x)
     else:
         last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]
         logits = _logits(params, config, last)
-    new_cache = KVCache(k=k_all, v=v_all, lengths=lengths.astype(jnp.int32),
-                        prompt_lengths=lengths.astype(jnp.int32), policy_state=state)
+    new_cache = cache.replace(k=k_all, v=v_all, lengths=lengths.astype(jnp.int32),
+                              prompt_lengths=lengths.astype(jnp.int32), policy_state=state,
+                              host_k=host_k, host_v=host_v)
     return logits, new_cache
 
 
@@ -221,34 +243,55 @@ def forward_decode(
     batch_ids = jnp.arange(B)
     compressed = policy.full_layers < config.num_layers
 
+    offloaded = cache.offloaded
+    device_layers = config.num_layers - (cache.host_k.shape[0] if offloaded else 0)
+
     def layer_fn(carry, xs):
-        x, k_all, v_all = carry
-        layer, layer_id, state = xs
+        x, k_all, v_all, host_k, host_v = carry
+        layer, layer_id, state, ost = xs
         h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
         q, k, v = _project_qkv(layer, h, positions, inv_freq)
-        # Write this token's K/V at each sequence's own position: [B, K, H] rows into [L, B, K, S, H].
-        k_all = k_all.at[layer_id, batch_ids, :, cache.lengths].set(k[:, 0].astype(k_all.dtype))
-        v_all = v_all.at[layer_id, batch_ids, :, cache.lengths].set(v[:, 0].astype(v_all.dtype))
-        k_layer = jax.lax.dynamic_index_in_dim(k_all, layer_id, keepdims=False)  # [B, K, S, H]
-        v_layer = jax.lax.dynamic_index_in_dim(v_all, layer_id, keepdims=False)
-        q1 = q[:, 0]  # [B, N, H]
+        q1, k1, v1 = q[:, 0], k[:, 0], v[:, 0]  # [B, N, H], [B, K, H], [B, K, H]
 
-        def full(state):
-            return attention.decode_attention(q1, k_layer, v_layer, new_lengths), state
+        def on_device(args):
+            k_all, v_all, host_k, host_v, state, ost = args
+            # Write this token's K/V at each sequence's own position: [B, K, H] rows into [L, B, K, S, H].
+            k_all = k_all.at[layer_id, batch_ids, :, cache.lengths].set(k1.astype(k_all.dtype))
+            v_all = v_all.at[layer_id, batch_ids, :, cache.lengths].set(v1.astype(v_all.dtype))
+            k_layer = jax.lax.dynamic_index_in_dim(k_all, layer_id, keepdims=False)  # [B, K, S, H]
+            v_layer = jax.lax.dynamic_index_in_dim(v_all, layer_id, keepdims=False)
+            if compressed and not offloaded:
+                attn, state = jax.lax.cond(
+                    layer_id >= policy.full_layers,
+                    lambda s: policy.decode_attention(s, q1, k_layer, v_layer, new_lengths, cache.prompt_lengths),
+                    lambda s: (attention.decode_attention(q1, k_layer, v_layer, new_lengths), s),
+                    state,
+                )
+            else:
+                attn = attention.decode_attention(q1, k_layer, v_layer, new_lengths)
+            return attn, (k_all, v_all, host_k, host_v, state, ost)
 
-        def selective(state):
-            return policy.decode_attention(state, q1, k_layer, v_layer, new_lengths, cache.prompt_lengths)
+        def on_host(args):
+            k_all, v_all, host_k, host_v, state, ost = args
+            host_layer = layer_id - device_layers
+            attn, state, ost, host_k, host_v = offload.decode_layer(
+                policy, state, ost, q1, k1, v1, host_k, host_v, host_layer, cache.lengths, new_lengths,
+                cache.prompt_lengths)
+            return attn, (k_all, v_all, host_k, host_v, state, ost)
 
-        if compressed:
-            attn, state = jax.lax.cond(layer_id >= policy.full_layers, selective, full, state)
+        args = (k_all, v_all, host_k, host_v, state, ost)
+        if offloaded:
+            attn, args = jax.lax.cond(layer_id >= device_layers, on_host, on_device, args)
         else:
-            attn, state = full(state)
-        return (_output_and_mlp(layer, config, x, attn[:, None]), k_all, v_all), state
+            attn, args = on_device(args)
+        k_all, v_all, host_k, host_v, state, ost = args
+        return (_output_and_mlp(layer, config, x, attn[:, None]), k_all, v_all, host_k, host_v), (state, ost)
 
-    (x, k_all, v_all), state = jax.lax.scan(
-        layer_fn, (x, cache.k, cache.v), (params["layers"], layer_ids, cache.policy_state)
+    (x, k_all, v_all, host_k, host_v), (state, ost) = jax.lax.scan(
+        layer_fn, (x, cache.k, cache.v, cache.host_k, cache.host_v),
+        (params["layers"], layer_ids, cache.policy_state, cache.offload_state)
     )
     logits = _logits(params, config, x[:, 0])
-    new_cache = KVCache(k=k_all, v=v_all, lengths=new_lengths, prompt_lengths=cache.prompt_lengths,
-                        policy_state=state)
+    new_cache = cache.replace(k=k_all, v=v_all, lengths=new_lengths, policy_state=state, host_k=host_k,
+                              host_v=host_v, offload_state=ost)
     return logits, new_cache

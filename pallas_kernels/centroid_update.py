@@ -130,8 +130,8 @@ def centroid_update(
     block_c: int = 64,
     num_splits: int | None = None,
     passes: int = 3,
-    num_warps: int = 4,
-    num_stages: int = 3,
+    num_warps: int = 8,
+    num_stages: int = 2,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Per-cluster key sums [P, C, H] float32 and member counts [P, C] int32, in one kernel launch.
@@ -139,6 +139,9 @@ def centroid_update(
     Equal (up to float32 summation order) to `centroid_update_reference`. `passes` (1..3) is the number of
     bfloat16 terms float32 keys are split into; 3 is exact. `num_splits` splits N across programs
     (None: chosen from the shapes); partial sums are added in XLA in a fixed order.
+
+    The launch defaults (8 warps, 2 stages) compile without register spills for sm80 and sm90 at H <= 128
+    (checked offline with `check_lowering --ptx`); they are not tuned on hardware.
     """
     assert keys.ndim == 3, f"keys must be [P, N, H], got {keys.shape}"
     P, N, H = keys.shape

@@ -4,19 +4,30 @@
 
 `jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))` runs the Pallas → Triton lowering on the host:
 each kernel becomes a `__gpu$xla.gpu.triton` custom call carrying the Triton IR (TTIR) as MLIR bytecode.
-This script also parses that TTIR back and runs the MLIR verifier on it. What it cannot do without the CUDA
-plugin (jax-cuda*-plugin): the TTIR → TTGIR → PTX compilation, which XLA:GPU runs at compile time (register
-allocation, shared-memory limits and the like are only checked there).
+This script also parses that TTIR back and runs the MLIR verifier on it. The TTIR → TTGIR → PTX compilation
+is XLA:GPU's, at compile time, and needs the CUDA plugin (jax-cuda*-plugin); see `--ptx` below for an
+offline substitute.
 
 Prints one line per kernel and shape; exits 1 if any lowering fails.
+
+    python -m pallas_kernels.check_lowering --ptx /path/to/python-with-triton
+
+goes one step further without a GPU: it hands the TTIR (as text) to `ttir_to_ptx.py` run by an interpreter
+that has the PyPI `triton` package, which compiles it to PTX and cubin for sm80 and sm90 and reports
+registers, spills, shared memory and tensor-core instructions.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import functools
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +41,16 @@ from pallas_kernels.cluster_index import cluster_to_token_index
 TRITON_TARGET = "__gpu$xla.gpu.triton"
 
 
-def _triton_modules(lowered) -> list[bytes]:
-    """TTIR bytecode of every Triton custom call in a lowered StableHLO module."""
+@dataclasses.dataclass
+class TritonKernel:
+    bytecode: bytes  # TTIR as MLIR bytecode
+    num_warps: int
+    num_stages: int
+    text: str = ""  # TTIR as text, filled in by _verify_ttir
+
+
+def _triton_kernels(lowered) -> list[TritonKernel]:
+    """Every Triton custom call in a lowered StableHLO module: its TTIR and launch parameters."""
     found = []
 
     def walk(op):
@@ -43,76 +62,102 @@ def _triton_modules(lowered) -> list[bytes]:
                         target = ir.StringAttr(child.attributes["call_target_name"]).value
                         if target == TRITON_TARGET:
                             config = child.attributes["mhlo.backend_config"]
-                            found.append(ir.StringAttr(config["ir"]).value_bytes)
+                            found.append(
+                                TritonKernel(
+                                    ir.StringAttr(config["ir"]).value_bytes,
+                                    ir.IntegerAttr(config["num_warps"]).value,
+                                    ir.IntegerAttr(config["num_stages"]).value,
+                                )
+                            )
                     walk(child)
 
     walk(lowered.compiler_ir("stablehlo").operation)
     return found
 
 
-def _verify_ttir(bytecode: bytes) -> dict[str, int]:
-    """Parse TTIR bytecode, run the MLIR verifier, count a few op kinds."""
+def _verify_ttir(kernel: TritonKernel) -> dict[str, int]:
+    """Parse the TTIR, run the MLIR verifier, count a few op kinds."""
     ctx = mlir.make_ir_context()
     tt_dialect.register_dialect(ctx)
     ctx.load_all_available_dialects()
     with ctx:
-        module = ir.Module.parse(bytecode)
+        module = ir.Module.parse(kernel.bytecode)
         if not module.operation.verify():
             raise RuntimeError("Triton IR failed verification")
-        text = str(module)
+        kernel.text = str(module)
     # Ops print either as `tt.op ...` or in generic form `"tt.op"(...)`.
     ops = ("tt.dot", "tt.load", "tt.store", "tt.scan", "tt.reduce")
-    return {op: text.count(f"{op} ") + text.count(f'"{op}"') for op in ops}
+    return {op: kernel.text.count(f"{op} ") + kernel.text.count(f'"{op}"') for op in ops}
 
 
-def _check(name: str, fn, *specs) -> bool:
+def _check(name: str, fn, *specs) -> list[TritonKernel] | None:
     shapes = ", ".join(f"{s.dtype.name}{list(s.shape)}" for s in specs)
     start = time.perf_counter()
     try:
         lowered = jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",))
         text = lowered.as_text()
-        modules = _triton_modules(lowered)
-        if not modules:
+        kernels = _triton_kernels(lowered)
+        if not kernels:
             raise RuntimeError(f"no {TRITON_TARGET} custom call in the lowered module")
-        counts = [_verify_ttir(m) for m in modules]
+        counts = [_verify_ttir(k) for k in kernels]
     except Exception:  # noqa: BLE001 - report every failure, then exit non-zero
         print(f"{name:38s} {shapes:52s} FAILED")
         traceback.print_exc()
-        return False
+        return None
     ops = " ".join(f"{k}={sum(c[k] for c in counts)}" for k in counts[0] if any(c[k] for c in counts))
     seconds = time.perf_counter() - start
     print(
-        f"{name:38s} {shapes:52s} OK  stablehlo {len(text):6d} chars, "
-        f"{len(modules)} triton kernel(s), ttir {sum(map(len, modules)):6d} B verified [{ops}] ({seconds:.2f}s)"
+        f"{name:38s} {shapes:52s} OK  stablehlo {len(text):6d} chars, {len(kernels)} triton kernel(s), "
+        f"ttir {sum(len(k.bytecode) for k in kernels):6d} B verified [{ops}] ({seconds:.2f}s)"
     )
-    return True
+    return kernels
 
 
-def main() -> int:
+def _compile_ptx(python: str, named: list[tuple[str, TritonKernel]]) -> bool:
+    """TTIR → PTX → cubin for sm80 and sm90 in `python` (an interpreter with the PyPI triton package)."""
+    script = Path(__file__).with_name("ttir_to_ptx.py")
+    sys.stdout.flush()
+    with tempfile.TemporaryDirectory() as tmp:
+        specs = []
+        for i, (name, kernel) in enumerate(named):
+            path = Path(tmp) / f"kernel{i}.ttir"
+            path.write_text(kernel.text)
+            specs.append(f"{name}={kernel.num_warps}/{kernel.num_stages}={path}")
+        proc = subprocess.run([python, str(script), "--arch", "80,90", *specs], text=True)
+    return proc.returncode == 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--ptx",
+        metavar="PYTHON",
+        help="also compile the TTIR to PTX and cubin for sm80/sm90 with this interpreter (needs PyPI triton)",
+    )
+    args = parser.parse_args(argv)
     print(f"jax {jax.__version__}, host backend {jax.default_backend()}; lowering for platform cuda")
     S = jax.ShapeDtypeStruct
     i32 = jnp.int32
-    ok = True
+    results = []  # (name, kernels or None)
     # P = KV heads 8 (× batch 1), N = S = 32768 tokens, C = 400 clusters, M = budget 1024.
     P, N, C, M = 8, 32768, 400, 1024
     for H in (128, 64):
         for dtype in (jnp.float32, jnp.bfloat16):
-            ok &= _check(
-                f"centroid_update C={C}",
-                functools.partial(centroid_update, num_clusters=C),
-                S((P, N, H), dtype),
-                S((P, N), i32),
-            )
+            name = f"centroid_update C={C}"
+            fn = functools.partial(centroid_update, num_clusters=C)
+            kernels = _check(name, fn, S((P, N, H), dtype), S((P, N), i32))
+            results.append((f"centroid_update {jnp.dtype(dtype).name} H={H}", kernels))
     # Per KV head (gqa "shared"), and per query head (gqa "per_head", 4 query heads per KV head).
     for group in (1, 4):
-        ok &= _check(
-            f"cluster_to_token_index M={M} group={group}",
-            functools.partial(cluster_to_token_index, slots=M, group=group),
-            S((group * P, C), i32),
-            S((group * P, C), i32),
-            S((P, N), i32),
-        )
+        name = f"cluster_to_token_index M={M} group={group}"
+        fn = functools.partial(cluster_to_token_index, slots=M, group=group)
+        kernels = _check(name, fn, S((group * P, C), i32), S((group * P, C), i32), S((P, N), i32))
+        results.append((name, kernels))
+    ok = all(k is not None for _, k in results)
     print("all kernels lowered for cuda" if ok else "LOWERING FAILED")
+    if ok and args.ptx:
+        ok = _compile_ptx(args.ptx, [(name, k) for name, ks in results for k in ks])
+        print("all kernels compiled to cubin" if ok else "PTX COMPILATION FAILED")
     return 0 if ok else 1
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import types
@@ -135,7 +136,11 @@ def test_centroid_update_equals_kmeans_member_sums():
     keys = jnp.asarray(rng.standard_normal((P, N, H)), jnp.float32)
     valid = jnp.asarray(np.arange(N)[None, :] < np.array([[N], [200]]))
     result = cosine_kmeans(keys, valid, jnp.array([C, 7]), problem_keys(jax.random.PRNGKey(0), P), max_clusters=C)
-    sums, counts = centroid_update(keys, result.labels, C, interpret=True)
+    # As it will run: inside K-means' jitted while loop.
+    zeros = (jnp.zeros((P, C, H), jnp.float32), jnp.zeros((P, C), jnp.int32))
+    sums, counts = jax.jit(
+        lambda labels: jax.lax.fori_loop(0, 1, lambda i, c: centroid_update(keys, labels, C, interpret=True), zeros)
+    )(result.labels)
     ref_sums, ref_counts = _member_sums(result.labels, keys, C)
     np.testing.assert_array_equal(np.asarray(counts), np.asarray(ref_counts).astype(np.int32))
     np.testing.assert_array_equal(np.asarray(counts), np.asarray(result.sizes))
@@ -331,3 +336,20 @@ def test_check_lowering_for_cuda():
     lines = [line for line in proc.stdout.splitlines() if " OK " in line]
     assert sum("centroid_update" in line for line in lines) == 4
     assert sum("cluster_to_token_index" in line for line in lines) == 2
+
+
+@pytest.mark.skipif(
+    not os.environ.get("CLUSTERKV_TRITON_PYTHON"),
+    reason="set CLUSTERKV_TRITON_PYTHON to a Python with the PyPI triton package to compile the TTIR to cubin",
+)
+def test_check_lowering_compiles_to_cubin():
+    proc = subprocess.run(
+        [sys.executable, "-m", "pallas_kernels.check_lowering", "--ptx", os.environ["CLUSTERKV_TRITON_PYTHON"]],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "all kernels compiled to cubin" in proc.stdout
+    assert "spills 0/0 B" in proc.stdout

@@ -56,3 +56,49 @@ class KVPolicy:
         window of unindexed generated tokens): token positions idx [B, N, M] and a validity mask [B, N, M].
         Used by `decode_attention` and by the recall evaluation."""
         raise NotImplementedError
+
+
+class IndexedPolicy(KVPolicy):
+    """A policy whose decode attention is: a budgeted selection over indexed tokens (`select`), plus a window of
+    the generated tokens not yet indexed, [indexed_upto, length), attended in full.
+
+    Subclasses provide the hooks below; `decode_attention` is generic, and the host-offloaded path
+    (`clusterkv_jax.offload`) drives the same hooks with keys and values that live in host memory.
+    """
+
+    #: Keep the full KV of layers >= full_layers in host memory (`pinned_host`); see clusterkv_jax.offload.
+    offload: bool = False
+    #: Offload only: the device keeps the rows selected in the last `cache_steps` steps (0: no cache).
+    cache_steps: int = 1
+
+    def window_size(self) -> int:
+        """Static bound on the unindexed window (the tokens past `indexed_upto`, the current one included)."""
+        raise NotImplementedError
+
+    def indexed_upto(self, state: Any) -> jax.Array:
+        """[B] positions < this are indexed (or sinks); the window is [indexed_upto, length)."""
+        raise NotImplementedError
+
+    def index_recent(self, state: Any, recent_keys, lengths: jax.Array, prompt_lengths: jax.Array) -> Any:
+        """Indexes the window's tokens once enough have accumulated. `recent_keys()` returns the keys of
+        positions [indexed_upto, indexed_upto + window_size) as [B, K, W, H]; call it only when needed."""
+        raise NotImplementedError
+
+    def decode_attention(self, state, q, keys, values, lengths, prompt_lengths):
+        from clusterkv_jax.policies.common import attend_to_indices, expand_heads, recent_window
+
+        import jax.numpy as jnp
+
+        W, S = self.window_size(), keys.shape[2]
+
+        def recent_keys():
+            rows = jnp.minimum(self.indexed_upto(state)[:, None] + jnp.arange(W), S - 1)  # [B, W]
+            return jnp.take_along_axis(keys, rows[:, None, :, None], axis=2)
+
+        state = self.index_recent(state, recent_keys, lengths, prompt_lengths)
+        idx, mask = self.select(state, q, keys, lengths, prompt_lengths)
+        w_idx, w_mask = recent_window(lengths, self.indexed_upto(state), W)
+        heads = idx.shape[1]
+        idx = jnp.concatenate([idx, expand_heads(w_idx, heads)], axis=-1)
+        mask = jnp.concatenate([mask, expand_heads(w_mask, heads)], axis=-1)
+        return attend_to_indices(q, keys, values, idx, mask), state

@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from clusterkv_jax.kmeans import cosine_kmeans, problem_keys
-from clusterkv_jax.policies.base import KVPolicy
-from clusterkv_jax.policies.common import attend_to_indices, expand_heads, recent_window, sink_slots
+from clusterkv_jax.policies.base import IndexedPolicy
+from clusterkv_jax.policies.common import expand_heads, sink_slots
 
 
 @flax.struct.dataclass
@@ -74,7 +74,7 @@ def rank_and_index(
 
 
 @dataclasses.dataclass(frozen=True)
-class ClusterKV(KVPolicy):
+class ClusterKV(IndexedPolicy):
     """ClusterKV (see the module docstring). `gqa="per_head"` ranks clusters per query head; `"shared"` sums
     the scores over a KV head's query heads and makes one selection per KV head."""
 
@@ -88,6 +88,8 @@ class ClusterKV(KVPolicy):
     init: str = "random"
     gqa: str = "per_head"
     seed: int = 0
+    offload: bool = False
+    cache_steps: int = 1
 
     def __post_init__(self):
         if self.sinks < 0:
@@ -110,6 +112,8 @@ class ClusterKV(KVPolicy):
             raise ValueError(f"init must be 'random' or 'kmeans++', got {self.init!r}")
         if self.gqa not in ("per_head", "shared"):
             raise ValueError(f"gqa must be 'per_head' or 'shared', got {self.gqa!r}")
+        if self.cache_steps < 0:
+            raise ValueError(f"cache_steps must be >= 0, got {self.cache_steps}")
 
     # Static sizes derived from the cache capacity S.
     def prompt_cluster_slots(self, capacity: int) -> int:
@@ -175,7 +179,7 @@ class ClusterKV(KVPolicy):
 
     def select(self, state: ClusterIndex, q, keys, lengths, prompt_lengths):
         B, N, _ = q.shape
-        K = keys.shape[1]
+        K = state.sizes.shape[1]
         heads = N if self.gqa == "per_head" else K
         group = heads // K  # selections per KV head
         scores = self._scores(state, q)
@@ -192,27 +196,27 @@ class ClusterKV(KVPolicy):
         mask = jnp.concatenate([expand_heads(sink_mask, heads), mask], axis=-1)
         return idx, mask
 
-    def decode_attention(self, state: ClusterIndex, q, keys, values, lengths, prompt_lengths):
-        heads = q.shape[1] if self.gqa == "per_head" else keys.shape[1]
-        idx, mask = self.select(state, q, keys, lengths, prompt_lengths)
-        win_idx, win_mask = recent_window(lengths, state.clustered_upto, self.decode_interval)
-        idx = jnp.concatenate([idx, expand_heads(win_idx, heads)], axis=-1)
-        mask = jnp.concatenate([mask, expand_heads(win_mask, heads)], axis=-1)
-        out = attend_to_indices(q, keys, values, idx, mask)
-        if keys.shape[2] >= self.decode_interval:  # else no decode interval fits in the cache
-            due = lengths - state.clustered_upto >= self.decode_interval  # [B]
-            state = jax.lax.cond(
-                jnp.any(due), lambda s: self._cluster_recent(s, keys, due, prompt_lengths), lambda s: s, state
-            )
-        return out, state
+    def window_size(self) -> int:
+        return self.decode_interval
 
-    def _cluster_recent(self, state: ClusterIndex, keys, due, prompt_lengths):
-        """Clusters the last `decode_interval` tokens of each due sequence into `decode_clusters` new clusters."""
-        B, K, S, H = keys.shape
-        W, Cp = self.decode_interval, self.decode_clusters
+    def indexed_upto(self, state: ClusterIndex):
+        return state.clustered_upto
+
+    def index_recent(self, state: ClusterIndex, recent_keys, lengths, prompt_lengths):
+        if state.sorted_tokens.shape[-1] < self.decode_interval:  # no interval fits in this cache
+            return state
+        due = lengths - state.clustered_upto >= self.decode_interval  # [B]
+        return jax.lax.cond(
+            jnp.any(due), lambda s: self._cluster_recent(s, recent_keys(), due, prompt_lengths), lambda s: s, state
+        )
+
+    def _cluster_recent(self, state: ClusterIndex, recent, due, prompt_lengths):
+        """Clusters the `decode_interval` tokens past `clustered_upto` of each due sequence (their keys: recent
+        [B, K, W, H]) into `decode_clusters` new clusters appended to the index."""
+        B, K, W, H = recent.shape
+        S = state.sorted_tokens.shape[-1]
+        Cp = self.decode_clusters
         start = state.clustered_upto  # [B]
-        # [B, K, W, H] the recent tokens of each sequence
-        recent = jax.vmap(lambda k, s: jax.lax.dynamic_slice_in_dim(k, s, W, axis=1))(keys, jnp.minimum(start, S - W))
         result = cosine_kmeans(
             recent.reshape(B * K, W, H),
             jnp.ones((B * K, W), bool),

@@ -11,7 +11,16 @@ from clusterkv_jax.policies.base import KVPolicy
 
 @dataclasses.dataclass(frozen=True)
 class FullKV(KVPolicy):
+    """`offload=True` keeps every layer's KV in host memory and streams each whole layer to the device at
+    every step (the uncompressed offloading baseline)."""
+
     full_layers: int = 1 << 30  # every layer is a full layer, so the model never calls the hooks below
+    offload: bool = False
+    cache_steps: int = 0
+
+    def __post_init__(self):
+        if self.offload:  # every layer is offloaded: none keeps device KV
+            object.__setattr__(self, "full_layers", 0)
 
     def init_state(self, config, batch_size, capacity):
         return jnp.zeros((config.num_layers,), jnp.int32)  # a placeholder leaf: scan needs an [L] axis

@@ -16,8 +16,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from clusterkv_jax.policies.base import KVPolicy
-from clusterkv_jax.policies.common import attend_to_indices, expand_heads, recent_window
+from clusterkv_jax.policies.base import IndexedPolicy
 
 
 @flax.struct.dataclass
@@ -32,7 +31,7 @@ class QuestState:
 
 
 @dataclasses.dataclass(frozen=True)
-class Quest(KVPolicy):
+class Quest(IndexedPolicy):
     """Quest page selection.
 
     Prefill pages the prompt [0, prompt_length) (the last page may be partial). During decoding, as soon as
@@ -50,6 +49,8 @@ class Quest(KVPolicy):
     budget: int = 1024
     page_size: int = 16
     full_layers: int = 2
+    offload: bool = False
+    cache_steps: int = 1
 
     def __post_init__(self):
         if self.page_size <= 0:
@@ -60,6 +61,8 @@ class Quest(KVPolicy):
             raise ValueError(f"budget={self.budget} must be >= page_size={self.page_size} (one whole page)")
         if self.full_layers < 0:
             raise ValueError(f"full_layers must be >= 0, got {self.full_layers}")
+        if self.cache_steps < 0:
+            raise ValueError(f"cache_steps must be >= 0, got {self.cache_steps}")
 
     def num_pages(self, capacity: int) -> int:
         """Static page capacity: prompt pages plus generated pages never exceed ceil(S / page_size) + 1."""
@@ -96,17 +99,22 @@ class Quest(KVPolicy):
         return QuestState(kmin=kmin, kmax=kmax, page_start=page_start, page_len=page_len,
                           indexed_upto=lengths.astype(jnp.int32))
 
-    def append_pages(self, state: QuestState, keys, lengths) -> QuestState:
-        """Pages the `page_size` generated tokens past `indexed_upto` of every sequence that has them."""
-        B, K, S, H = keys.shape
+    def window_size(self) -> int:
+        return self.page_size
+
+    def indexed_upto(self, state: QuestState):
+        return state.indexed_upto
+
+    def index_recent(self, state: QuestState, recent_keys, lengths, prompt_lengths) -> QuestState:
+        """Pages the `page_size` generated tokens past `indexed_upto` of every sequence that has them
+        (paging first, so the window only ever holds the < page_size tokens not yet paged)."""
         P, ps = state.kmin.shape[2], self.page_size
         start = state.indexed_upto  # [B]
         slot = jnp.sum(state.page_len > 0, axis=-1, dtype=jnp.int32)  # [B] first free page slot
         ready = (lengths - start >= ps) & (slot < P)  # [B]
 
         def append(state: QuestState) -> QuestState:
-            idx = jnp.minimum(start[:, None] + jnp.arange(ps, dtype=jnp.int32), S - 1)  # [B, ps]
-            rows = jnp.take_along_axis(keys, idx[:, None, :, None], axis=2).astype(jnp.float32)  # [B, K, ps, H]
+            rows = recent_keys().astype(jnp.float32)  # [B, K, ps, H]
             hit = (jnp.arange(P)[None, :] == slot[:, None]) & ready[:, None]  # [B, P]
             hit4 = hit[:, None, :, None]  # [B, 1, P, 1]
             return QuestState(
@@ -144,13 +152,3 @@ class Quest(KVPolicy):
         mask = offsets < plen[..., None]  # [B, N, n_pages, ps]: partial and unused pages masked
         idx = jnp.where(mask, start[..., None] + offsets, 0)
         return idx.reshape(B, N, n_pages * ps), mask.reshape(B, N, n_pages * ps)
-
-    def decode_attention(self, state, q, keys, values, lengths, prompt_lengths):
-        # Page first, so the window below only holds the < page_size tokens not yet paged.
-        state = self.append_pages(state, keys, lengths)
-        idx, mask = self.select(state, q, keys, lengths, prompt_lengths)
-        w_idx, w_mask = recent_window(lengths, state.indexed_upto, self.page_size)  # [B, page_size]
-        N = q.shape[1]
-        idx = jnp.concatenate([idx, expand_heads(w_idx, N)], axis=-1)
-        mask = jnp.concatenate([mask, expand_heads(w_mask, N)], axis=-1)
-        return attend_to_indices(q, keys, values, idx, mask), state

@@ -1,0 +1,151 @@
+"""Host-offloaded KV: memory kinds, equality with the on-device path, the R-step recall cache against a
+NumPy simulation, and device bytes that do not grow with the context."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from clusterkv_jax import offload
+from clusterkv_jax.cache import init_cache, kv_bytes
+from clusterkv_jax.config import ModelConfig
+from clusterkv_jax.generate import decode_step, generate, prefill
+from clusterkv_jax.loading import Model
+from clusterkv_jax.model import init_params
+from clusterkv_jax.policies import ClusterKV, FullKV, Quest
+
+CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
+                  num_kv_heads=2, head_dim=16)
+PARAMS = init_params(CFG, jax.random.PRNGKey(0))
+SMALL = dict(sinks=4, tokens_per_cluster=8, decode_interval=16, decode_clusters=2)
+TOKENS = np.random.default_rng(0).integers(0, 128, (2, 448))
+LENGTHS = np.array([180, 120])
+
+
+def run(policy, steps=40):
+    cache = init_cache(CFG, policy, 2, 448, jnp.float32)
+    logits, cache = prefill(PARAMS, jnp.asarray(TOKENS[:, :192]), jnp.asarray(LENGTHS), cache, config=CFG,
+                            policy=policy)
+    out = [np.asarray(logits)]
+    for i in range(steps):
+        logits, cache = decode_step(PARAMS, jnp.asarray(TOKENS[np.arange(2), LENGTHS + i]), cache, config=CFG,
+                                    policy=policy)
+        out.append(np.asarray(logits))
+    return np.stack(out), cache
+
+
+POLICIES = {
+    "full": lambda **kw: FullKV(**kw),
+    "clusterkv": lambda **kw: ClusterKV(budget=48, **SMALL, **kw),
+    "clusterkv_shared_R2": lambda **kw: ClusterKV(budget=48, gqa="shared", cache_steps=2, **SMALL, **kw),
+    "quest": lambda **kw: Quest(budget=48, page_size=8, **kw),
+}
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_offload_matches_device_path_and_uses_pinned_host(name):
+    on_device, _ = run(POLICIES[name]())
+    offloaded, cache = run(POLICIES[name](offload=True))
+    np.testing.assert_allclose(offloaded, on_device, atol=1e-6, rtol=0)
+    assert cache.host_k.sharding.memory_kind == "pinned_host"
+    assert cache.host_v.sharding.memory_kind == "pinned_host"
+    for leaf in jax.tree_util.tree_leaves((cache.offload_state, cache.policy_state, cache.k)):
+        assert leaf.sharding.memory_kind == "device"
+    if name != "full":
+        rates = offload.hit_rates(cache)
+        assert rates[:2] == [None, None], "full layers select nothing"
+        assert all(0 <= r <= 1 for r in rates[2:])
+
+
+def test_generate_with_offload_gives_the_same_tokens():
+    model = Model(CFG, PARAMS, tokenizer=None)
+    prompts = [TOKENS[0, :100].tolist(), TOKENS[1, :64].tolist()]
+    for make in (POLICIES["clusterkv"], POLICIES["quest"]):
+        plain = generate(model, prompts, 40, policy=make(), stop_at_eos=False)
+        off = generate(model, prompts, 40, policy=make(offload=True), stop_at_eos=False, return_cache=True)
+        assert off.tokens == plain.tokens
+        assert off.cache.host_k.sharding.memory_kind == "pinned_host"
+
+
+def test_longer_cache_history_hits_at_least_as_often():
+    """Offload does not change the trajectory, so R=2 sees the same selections as R=1 and a superset cache."""
+    _, r1 = run(ClusterKV(budget=48, offload=True, cache_steps=1, **SMALL))
+    _, r2 = run(ClusterKV(budget=48, offload=True, cache_steps=2, **SMALL))
+    for a, b in zip(offload.hit_rates(r1)[2:], offload.hit_rates(r2)[2:]):
+        assert b >= a - 1e-9
+    assert offload.hit_rates(r1)[2] > 0  # consecutive steps do share clusters
+
+
+def numpy_cache_simulation(selections, R):
+    """Hits of an R-step cache: a token hits if the same (sequence, head) selected it in the last R steps."""
+    history, hits, total = [], 0, 0
+    for idx, mask in selections:
+        for b in range(idx.shape[0]):
+            for h in range(idx.shape[1]):
+                recent = set()
+                for past_idx, past_mask in history[-R:]:
+                    recent |= set(past_idx[b, h][past_mask[b, h]].tolist())
+                chosen = idx[b, h][mask[b, h]].tolist()
+                hits += sum(t in recent for t in chosen)
+                total += len(chosen)
+        history.append((idx, mask))
+    return hits, total
+
+
+@pytest.mark.parametrize("R", [1, 2, 3])
+def test_recall_cache_matches_numpy_simulation_and_returns_host_rows(R):
+    rng = np.random.default_rng(R)
+    B, K, h, S, M, H = 2, 2, 4, 64, 12, 16
+    host_k = offload.to_host(jnp.asarray(rng.normal(size=(1, B, K, S, H)), jnp.float32))
+    host_v = offload.to_host(jnp.asarray(rng.normal(size=(1, B, K, S, H)), jnp.float32))
+    one_layer = dataclasses.replace(CFG, num_layers=1)
+    policy = ClusterKV(budget=M, cache_steps=R, offload=True, **SMALL)
+    ost = jax.tree.map(lambda x: x[0], offload.init_offload_state(policy, one_layer, B, S, jnp.float32, (B, h, M)))
+    step = jax.jit(lambda o, i, m, hk, hv: offload.recall_rows(o, i, m, hk, hv, jnp.int32(0), R))
+    selections = []
+    for t in range(8):
+        # Overlapping selections from a small pool, so some steps hit and some miss.
+        idx = np.stack([[rng.choice(24, M, replace=False) + (t % 3) * 4 for _ in range(h)] for _ in range(B)])
+        mask = rng.random((B, h, M)) > 0.15
+        k, v, ost = step(ost, jnp.asarray(idx, jnp.int32), jnp.asarray(mask), host_k, host_v)
+        hk, hv = np.asarray(offload.to_device(host_k))[0], np.asarray(offload.to_device(host_v))[0]
+        kv_head = np.arange(h) // (h // K)
+        want_k = hk[np.arange(B)[:, None, None], kv_head[None, :, None], idx]
+        want_v = hv[np.arange(B)[:, None, None], kv_head[None, :, None], idx]
+        np.testing.assert_array_equal(np.asarray(k)[mask], want_k[mask])
+        np.testing.assert_array_equal(np.asarray(v)[mask], want_v[mask])
+        selections.append((idx, mask))
+    hits, total = numpy_cache_simulation(selections, R)
+    assert (int(ost.hits), int(ost.selected)) == (hits, total)
+    assert 0 < hits < total
+    # Selecting the last step's tokens again hits everything: only the smallest bucket (1 row a head) moves.
+    before = float(ost.fetched)
+    _, _, ost = step(ost, jnp.asarray(idx, jnp.int32), jnp.asarray(mask), host_k, host_v)
+    assert float(ost.fetched) - before == B * h * 1
+
+
+def test_device_kv_bytes_do_not_grow_with_context():
+    policy = ClusterKV(budget=64, offload=True, **SMALL)
+    small, large = (init_cache(CFG, policy, 1, cap, jnp.float32) for cap in (2048, 8192))
+
+    def compressed_device_bytes(cache):
+        ost = cache.offload_state
+        return sum(x.nbytes for x in (ost.ring_k, ost.ring_v, ost.cache_k, ost.cache_v))
+
+    assert compressed_device_bytes(small) == compressed_device_bytes(large)
+    assert kv_bytes(large)["host"] == 4 * kv_bytes(small)["host"]
+    # Device KV is the 2 full layers (which grow) plus the fixed compressed-layer buffers.
+    full_layers = lambda c: c.k.nbytes + c.v.nbytes
+    assert kv_bytes(large)["device"] - full_layers(large) == kv_bytes(small)["device"] - full_layers(small)
+
+
+def test_offload_falls_back_without_host_memory(monkeypatch):
+    monkeypatch.setattr(offload, "host_memory_kind", lambda: None)
+    on_device, _ = run(POLICIES["clusterkv"]())
+    fallback, cache = run(POLICIES["clusterkv"](offload=True))
+    np.testing.assert_allclose(fallback, on_device, atol=1e-6, rtol=0)
+    assert cache.host_k.sharding.memory_kind == "device"
