@@ -43,8 +43,20 @@ def _assign(unit_keys, valid, directions, cluster_ok):
     return jnp.where(valid, labels, C)
 
 
-def _member_sums(labels, x, C):
-    """Per-cluster sums of x [P, N, H] and counts, by one-hot matmul (masked keys have label C: no row)."""
+KERNEL_MODES = ("reference", "pallas", "interpret")
+
+
+def _member_sums(labels, x, C, kernel: str = "reference"):
+    """Per-cluster sums of x [P, N, H] and counts, by one-hot matmul (masked keys have label C: no row).
+
+    kernel "pallas" runs the Pallas centroid_update kernel (CUDA sm80+), "interpret" the same kernel in
+    Pallas interpret mode (any device; for tests), "reference" the jnp one-hot matmul below.
+    """
+    if kernel != "reference":
+        from pallas_kernels import centroid_update
+
+        sums, counts = centroid_update(x, labels, C, interpret=kernel == "interpret")
+        return sums, counts.astype(jnp.float32)
     # [P, N, C]
     onehot = jax.nn.one_hot(labels, C, dtype=jnp.float32)
     sums = jnp.einsum("PNC,PNH->PCH", onehot, x)
@@ -57,13 +69,14 @@ def cluster_mask(num_clusters: jax.Array, C: int) -> jax.Array:
     return jnp.arange(C)[None, :] < num_clusters[:, None]
 
 
-@functools.partial(jax.jit, static_argnames=("max_iters",))
+@functools.partial(jax.jit, static_argnames=("max_iters", "kernel"))
 def kmeans_from_directions(
     keys: jax.Array,  # [P, N, H]
     valid: jax.Array,  # [P, N] bool
     num_clusters: jax.Array,  # [P] int32, <= C
     init_directions: jax.Array,  # [P, C, H]
     max_iters: int = 20,
+    kernel: str = "reference",
 ) -> KMeansResult:
     """Lloyd iterations under cosine similarity from given initial cluster directions."""
     C = init_directions.shape[1]
@@ -74,7 +87,7 @@ def kmeans_from_directions(
     labels = _assign(unit, valid, directions, ok)
 
     def update(labels, directions):
-        sums, counts = _member_sums(labels, unit, C)
+        sums, counts = _member_sums(labels, unit, C, kernel)
         # An emptied cluster keeps its previous direction, so it stays a valid (finite) centroid.
         return jnp.where(counts[..., None] > 0, _normalize(sums), directions)
 
@@ -89,7 +102,7 @@ def kmeans_from_directions(
         return it + 1, new_labels, directions, jnp.any(new_labels != labels)
 
     it, labels, directions, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), labels, directions, jnp.bool_(True)))
-    sums, counts = _member_sums(labels, x, C)
+    sums, counts = _member_sums(labels, x, C, kernel)
     centroids = jnp.where(counts[..., None] > 0, sums / jnp.maximum(counts, 1)[..., None], directions)
     return KMeansResult(labels, centroids, counts.astype(jnp.int32), directions, it)
 
@@ -133,7 +146,7 @@ def problem_keys(seed_key: jax.Array, P: int) -> jax.Array:
     return jax.vmap(lambda i: jax.random.fold_in(seed_key, i))(jnp.arange(P))
 
 
-@functools.partial(jax.jit, static_argnames=("max_clusters", "max_iters", "init"))
+@functools.partial(jax.jit, static_argnames=("max_clusters", "max_iters", "init", "kernel"))
 def cosine_kmeans(
     keys: jax.Array,  # [P, N, H]
     valid: jax.Array,  # [P, N] bool
@@ -143,6 +156,7 @@ def cosine_kmeans(
     max_clusters: int,
     max_iters: int = 20,
     init: str = "random",
+    kernel: str = "reference",
 ) -> KMeansResult:
     """Cosine K-means of each problem's valid keys into num_clusters[p] clusters (slots beyond stay empty)."""
     if init == "random":
@@ -151,7 +165,7 @@ def cosine_kmeans(
         directions = init_kmeans_plus_plus(keys, valid, max_clusters, rngs)
     else:
         raise ValueError(f"unknown init {init!r}; use 'random' or 'kmeans++'")
-    return kmeans_from_directions(keys, valid, num_clusters, directions, max_iters=max_iters)
+    return kmeans_from_directions(keys, valid, num_clusters, directions, max_iters=max_iters, kernel=kernel)
 
 
 def cosine_objective(keys: jax.Array, valid: jax.Array, labels: jax.Array, directions: jax.Array) -> jax.Array:

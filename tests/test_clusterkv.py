@@ -192,3 +192,29 @@ def test_rank_and_index_matches_brute_force(sizes, slots, seed):
     expected = expected[:slots]
     assert np.asarray(idx)[np.asarray(mask)].tolist() == expected
     assert int(np.asarray(mask).sum()) == min(slots, total)
+
+
+def test_pallas_kernels_in_interpret_mode_match_the_reference_path():
+    """K-means (centroid_update) and selection (cluster_to_token_index) through the Pallas kernels, run in
+    interpret mode on this CPU, give the same clusters and logits as the pure-jnp path."""
+    tokens, lengths = TOKENS[:2], LENGTHS[:2]
+    ref, ref_cache = run(ClusterKV(budget=40, kernels="reference", **SMALL), tokens, lengths, steps=18)
+    pal, pal_cache = run(ClusterKV(budget=40, kernels="interpret", **SMALL), tokens, lengths, steps=18)
+    np.testing.assert_array_equal(np.asarray(pal_cache.policy_state.sizes), np.asarray(ref_cache.policy_state.sizes))
+    np.testing.assert_array_equal(np.asarray(pal_cache.policy_state.sorted_tokens),
+                                  np.asarray(ref_cache.policy_state.sorted_tokens))
+    np.testing.assert_allclose(np.asarray(pal_cache.policy_state.centroids),
+                               np.asarray(ref_cache.policy_state.centroids), atol=1e-5)
+    np.testing.assert_allclose(pal, ref, atol=1e-5)
+
+
+def test_kernel_switch_resolves_per_device():
+    assert ClusterKV(kernels="reference").kernel == "reference"
+    assert ClusterKV(kernels="interpret").kernel == "interpret"
+    on_gpu = jax.devices()[0].platform == "gpu"
+    assert ClusterKV(kernels="auto").kernel == ("pallas" if on_gpu else "reference")
+    if not on_gpu:
+        with pytest.raises(RuntimeError):
+            ClusterKV(kernels="pallas").kernel
+    with pytest.raises(ValueError):
+        ClusterKV(kernels="triton")

@@ -47,15 +47,25 @@ def rank_and_index(
     starts: jax.Array,  # [..., C] int32
     sorted_tokens: jax.Array,  # [..., S] int32
     slots: int,
+    kernel: str = "reference",
 ) -> tuple[jax.Array, jax.Array]:
     """Clusters in descending score order, members taken until `slots` tokens (the last cluster trimmed).
 
-    Returns token positions [..., slots] and a mask [..., slots] (False where fewer tokens exist).
+    Returns token positions [..., slots] and a mask [..., slots] (False where fewer tokens exist). The
+    ranking is an argsort in XLA; the slot -> token indexing runs in the Pallas `cluster_to_token_index`
+    kernel when kernel is "pallas" (or "interpret"), else in jnp below.
     """
     scores = jnp.where(sizes > 0, scores, -jnp.inf)
     order = jnp.argsort(-scores, axis=-1)  # [..., C] best first
     ranked_sizes = jnp.take_along_axis(sizes, order, axis=-1)
     ranked_starts = jnp.take_along_axis(starts, order, axis=-1)
+    if kernel != "reference":
+        from pallas_kernels import cluster_to_token_index
+
+        lead, C, S = scores.shape[:-1], sizes.shape[-1], sorted_tokens.shape[-1]
+        idx, mask = cluster_to_token_index(ranked_sizes.reshape(-1, C), ranked_starts.reshape(-1, C),
+                                           sorted_tokens.reshape(-1, S), slots, interpret=kernel == "interpret")
+        return idx.reshape(lead + (slots,)), mask.reshape(lead + (slots,))
     cum = jnp.cumsum(ranked_sizes, axis=-1)  # [..., C] inclusive prefix sums
     lead = scores.shape[:-1]
     j = jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), lead + (slots,))
@@ -90,6 +100,9 @@ class ClusterKV(IndexedPolicy):
     seed: int = 0
     offload: bool = False
     cache_steps: int = 1
+    #: "auto" (Pallas kernels on CUDA sm80+, pure JAX elsewhere), "pallas", "reference", or "interpret"
+    #: (the Pallas kernels in interpret mode, on any device: slow, for tests).
+    kernels: str = "auto"
 
     def __post_init__(self):
         if self.sinks < 0:
@@ -114,6 +127,17 @@ class ClusterKV(IndexedPolicy):
             raise ValueError(f"gqa must be 'per_head' or 'shared', got {self.gqa!r}")
         if self.cache_steps < 0:
             raise ValueError(f"cache_steps must be >= 0, got {self.cache_steps}")
+        if self.kernels not in ("auto", "pallas", "reference", "interpret"):
+            raise ValueError(f"kernels must be 'auto', 'pallas', 'reference' or 'interpret', got {self.kernels!r}")
+
+    @property
+    def kernel(self) -> str:
+        """The kernel path resolved for the current device: 'pallas', 'interpret' or 'reference'."""
+        if self.kernels == "interpret":
+            return "interpret"
+        from pallas_kernels import use_kernels
+
+        return "pallas" if use_kernels(self.kernels) else "reference"
 
     # Static sizes derived from the cache capacity S.
     def prompt_cluster_slots(self, capacity: int) -> int:
@@ -150,6 +174,7 @@ class ClusterKV(IndexedPolicy):
             max_clusters=C0,
             max_iters=self.max_iters,
             init=self.init,
+            kernel=self.kernel,
         )
         # Positions sorted by label; masked tokens (label C0) sort last.
         sorted_tokens = jnp.argsort(result.labels, axis=-1, stable=True).astype(jnp.int32)
@@ -189,7 +214,8 @@ class ClusterKV(IndexedPolicy):
 
         slots = self.budget - self.sinks
         idx, mask = rank_and_index(
-            scores, per_head(state.sizes), per_head(state.starts), per_head(state.sorted_tokens), slots
+            scores, per_head(state.sizes), per_head(state.starts), per_head(state.sorted_tokens), slots,
+            kernel=self.kernel,
         )
         sink_idx, sink_mask = sink_slots(jnp.minimum(lengths, prompt_lengths), self.sinks)
         idx = jnp.concatenate([expand_heads(sink_idx, heads), idx], axis=-1)
@@ -225,6 +251,7 @@ class ClusterKV(IndexedPolicy):
             max_clusters=Cp,
             max_iters=self.max_iters,
             init=self.init,
+            kernel=self.kernel,
         )
         order = jnp.argsort(result.labels, axis=-1, stable=True).reshape(B, K, W)
         sizes = result.sizes.reshape(B, K, Cp)
