@@ -179,6 +179,85 @@ def cmd_eval_agreement(args) -> int:
                    f"Greedy agreement with full KV, context {args.context}, {args.new_tokens} new tokens")
 
 
+def _longbench_tasks(text: str) -> list[str]:
+    from clusterkv_jax.eval.longbench import parse_tasks
+
+    try:
+        return parse_tasks(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e))
+
+
+def _synthetic_tasks(text: str) -> list[str]:
+    from clusterkv_jax.eval.synthetic import parse_tasks
+
+    try:
+        return parse_tasks(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e))
+
+
+def _load_eval_model(args):
+    from clusterkv_jax import load_model
+
+    model = load_model(args.model, dtype=args.dtype)
+    if model.tokenizer is None:
+        raise ValueError(f"{args.model} has no tokenizer.json; this evaluation reads text")
+    return model
+
+
+def _append_markdown(args, name: str, heading: str, table: str) -> None:
+    print(f"{heading}\n{table}\n")
+    if args.out:
+        with open(os.path.join(args.out, f"{name}.md"), "a", encoding="utf-8") as f:
+            f.write(f"## {heading}\n\n{table}\n")
+
+
+def cmd_eval_longbench(args) -> int:
+    from clusterkv_jax.eval.longbench import LONGBENCH_TASKS, run_longbench, task_table
+
+    model = _load_eval_model(args)
+    tasks = args.tasks or list(LONGBENCH_TASKS)
+    results = run_longbench(model, args.data_dir, tasks, args.max_length, args.budgets, args.policies,
+                            _policy_options(args), limit=args.limit, batch_size=args.batch_size,
+                            max_new_tokens=args.max_new_tokens)
+    rc = _finish(results, args, "longbench", {"LongBench average score": results["average"]},
+                 f"LongBench, {len(tasks)} tasks, max length {args.max_length}", fmt="{:.2f}")
+    _append_markdown(args, "longbench", "per-task scores", task_table(results))
+    return rc
+
+
+def cmd_eval_synthetic(args) -> int:
+    from clusterkv_jax.eval.synthetic import SYNTHETIC_TASKS, run_synthetic, task_table
+
+    model = _load_eval_model(args)
+    tasks = args.tasks or list(SYNTHETIC_TASKS)
+    results = run_synthetic(model, args.context, args.samples, args.budgets, args.policies, _policy_options(args),
+                            seed=args.seed, tasks=tasks, batch_size=args.batch_size,
+                            max_new_tokens=args.max_new_tokens)
+    tables = {f"accuracy (%), context {c}": results["accuracy"][str(c)] for c in args.context}
+    rc = _finish(results, args, "synthetic", tables,
+                 f"Synthetic retrieval, {len(tasks)} tasks x {args.samples} samples", fmt="{:.1f}")
+    _append_markdown(args, "synthetic", "per-task accuracy (%)", task_table(results))
+    return rc
+
+
+def cmd_bench_offload(args) -> int:
+    import json
+
+    from clusterkv_jax.bench import bench_offload, format_offload
+
+    model, ids = _eval_inputs(args)
+    results = bench_offload(model, ids, context=args.context, new_tokens=args.new_tokens, budget=args.budget,
+                            cache_steps=args.cache_steps)
+    print(format_offload(results))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="clusterkv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -208,19 +287,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("eval", help="scripted evaluations").add_subparsers(dest="eval_command", required=True)
 
-    def eval_parser(name, help, func, policies):
+    def eval_parser(name, help, func, policies, needs_text=True):
         from clusterkv_jax.eval.policies import parse_policies
 
         e = ev.add_parser(name, help=help)
         e.add_argument("--model", required=True, help="a converted checkpoint directory")
-        e.add_argument("--text", required=True, help="a long UTF-8 text file")
+        if needs_text:
+            e.add_argument("--text", required=True, help="a long UTF-8 text file")
         e.add_argument("--budgets", type=_int_list, default=[256, 512, 1024, 2048])
         e.add_argument("--policies", type=parse_policies, default=parse_policies(policies))
         e.add_argument("--gqa", choices=["per_head", "shared"], default="per_head", help="ClusterKV's GQA mode")
         e.add_argument("--init", choices=["random", "kmeans++"], default="random", help="ClusterKV's K-means init")
         e.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
         e.add_argument("--out", default=None, help="directory for NAME.json, NAME.md and NAME.png")
-        e.add_argument("--max-chars", type=int, default=0, help="read only this much of the text (0: all)")
+        if needs_text:
+            e.add_argument("--max-chars", type=int, default=0, help="read only this much of the text (0: all)")
         e.set_defaults(func=func)
         return e
 
@@ -239,6 +320,37 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--context", type=int, default=8000)
     a.add_argument("--new-tokens", type=int, default=64)
     a.add_argument("--samples", type=int, default=4)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    o = bench.add_parser("offload", help="ClusterKV with host-offloaded KV: cache hit rates, KV bytes, clustering share")
+    o.add_argument("--model", required=True)
+    o.add_argument("--text", required=True)
+    o.add_argument("--context", type=int, default=8000)
+    o.add_argument("--new-tokens", type=int, default=256)
+    o.add_argument("--budget", type=int, default=1024)
+    o.add_argument("--cache-steps", type=_int_list, default=[1, 2])
+    o.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    o.add_argument("--max-chars", type=int, default=0)
+    o.add_argument("--json", default=None)
+    o.set_defaults(func=cmd_bench_offload)
+    lb = eval_parser("longbench", "LongBench scores (the paper's 8 English datasets) of each policy",
+                     cmd_eval_longbench, "clusterkv,quest,streaming", needs_text=False)
+    lb.add_argument("--data-dir", required=True, help="directory of LongBench's DATASET.jsonl files")
+    lb.add_argument("--tasks", type=_longbench_tasks, default=None,
+                    help="comma-separated datasets (default: all 8 of the paper)")
+    lb.add_argument("--max-length", type=int, default=8000, help="prompt tokens kept (truncated in the middle)")
+    lb.add_argument("--limit", type=int, default=None, help="use only the first N samples of each dataset")
+    lb.add_argument("--batch-size", type=int, default=1, help="prompts generated together")
+    lb.add_argument("--max-new-tokens", type=int, default=None,
+                    help="override LongBench's per-dataset generation lengths (quick runs only)")
+    sy = eval_parser("synthetic", "RULER-style needle / key-value retrieval accuracy of each policy",
+                     cmd_eval_synthetic, "clusterkv,quest,streaming", needs_text=False)
+    sy.add_argument("--context", type=_int_list, default=[4000, 8000], help="comma-separated prompt lengths")
+    sy.add_argument("--samples", type=int, default=20, help="samples per task and context")
+    sy.add_argument("--tasks", type=_synthetic_tasks, default=None, help="comma-separated (default: all three)")
+    sy.add_argument("--seed", type=int, default=0)
+    sy.add_argument("--batch-size", type=int, default=1, help="prompts generated together")
+    sy.add_argument("--max-new-tokens", type=int, default=48)
     return parser
 
 

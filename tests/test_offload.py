@@ -149,3 +149,16 @@ def test_offload_falls_back_without_host_memory(monkeypatch):
     fallback, cache = run(POLICIES["clusterkv"](offload=True))
     np.testing.assert_allclose(fallback, on_device, atol=1e-6, rtol=0)
     assert cache.host_k.sharding.memory_kind == "device"
+
+
+def test_bench_offload_reports_hit_rates_bytes_and_clustering_share():
+    from clusterkv_jax.bench import bench_offload, format_offload
+
+    model = Model(CFG, PARAMS, tokenizer=None)
+    ids = TOKENS[0].tolist()
+    res = bench_offload(model, ids, context=200, new_tokens=20, budget=48, cache_steps=[1, 2], progress=False)
+    r1, r2 = res["runs"]["R=1"], res["runs"]["R=2"]
+    assert 0 < r1["hit_rate"] <= r2["hit_rate"] <= 1
+    assert r1["kv_bytes"]["host"] == r2["kv_bytes"]["host"] > 0
+    assert r2["kv_bytes"]["device"] > r1["kv_bytes"]["device"]  # R=2 keeps two steps of rows
+    assert res["prefill"]["full"]["prefill_s"] > 0 and "clustering" in format_offload(res)
