@@ -1,0 +1,131 @@
+"""The examples run end to end: every script in examples/ as a subprocess and the Colab notebook through nbclient,
+all on SmolLM2-135M (the `smollm2_converted_dir` fixture) with CLUSTERKV_EXAMPLE_FAST=1 (tiny contexts,
+budgets and step counts). Each prints how long it took (`pytest -s` shows it).
+
+The subprocesses and the notebook kernel share a JAX persistent compilation cache in a temporary directory,
+so a program compiled by one example (the same policy, prompt bucket and length) is not compiled again.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.helpers import REPO_ROOT, long_text
+
+EXAMPLES = os.path.join(REPO_ROOT, "examples")
+NOTEBOOK = os.path.join(EXAMPLES, "clusterkv_colab.ipynb")
+
+
+@pytest.fixture(scope="module")
+def example_env(smollm2_converted_dir, tmp_path_factory) -> dict[str, str]:
+    tmp = tmp_path_factory.mktemp("examples")
+    text = tmp / "text.txt"
+    text.write_text(long_text()[:60_000], encoding="utf-8")
+    pythonpath = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
+    return {
+        "CLUSTERKV_EXAMPLE_MODEL": str(smollm2_converted_dir),
+        "CLUSTERKV_EXAMPLE_FAST": "1",
+        "CLUSTERKV_EXAMPLE_TEXT": str(text),
+        "CLUSTERKV_CACHE": str(tmp / "cache"),  # nothing may convert into the user's cache
+        "PYTHONPATH": pythonpath,
+        "JAX_COMPILATION_CACHE_DIR": str(tmp / "jax_cache"),
+    }
+
+
+def _children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _report_time(name: str, t0: float, cpu0: float) -> None:
+    """Wall time, and the CPU time of the finished child processes (the CPU here may be shared)."""
+    print(f"\n[examples] {name}: {time.perf_counter() - t0:.1f}s wall, {_children_cpu_seconds() - cpu0:.1f}s CPU")
+
+
+def run_example(name: str, env: dict[str, str], *args: str) -> str:
+    t0, cpu0 = time.perf_counter(), _children_cpu_seconds()
+    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, name), *args], cwd=REPO_ROOT,
+                          env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
+    _report_time(name, t0, cpu0)
+    assert proc.returncode == 0, f"{name} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc.stdout
+
+
+def test_convert_and_generate(example_env):
+    out = run_example("convert_and_generate.py", example_env)
+    assert "[full KV]" in out and "[ClusterKV B=" in out
+    assert out.count("tokens/s") == 2
+
+
+def test_custom_policy(example_env):
+    out = run_example("custom_policy.py", example_env)
+    # A budget covering every token attends exactly what full KV does, so greedy decoding agrees throughout.
+    line = out[out.index("[LowKeyNorm B=everything]"):].splitlines()[1]
+    assert line.endswith("(identical)"), out
+
+
+def test_custom_policy_is_under_50_lines():
+    with open(os.path.join(EXAMPLES, "custom_policy.py"), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    (policy,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "LowKeyNorm"]
+    first = min([policy.lineno] + [d.lineno for d in policy.decorator_list])
+    assert policy.end_lineno - first + 1 < 50
+
+
+def test_jit_generate_matches_generate(example_env):
+    out = run_example("jit_generate.py", example_env)
+    assert "identical tokens" in out
+
+
+def test_eval_sweep_writes_reports(example_env, tmp_path):
+    out_dir = tmp_path / "sweep"
+    run_example("eval_sweep.py", example_env, "--out", str(out_dir))
+    for name in ("recall", "ppl"):
+        for ext in ("json", "md", "png"):
+            assert (out_dir / f"{name}.{ext}").stat().st_size > 0
+    recall = json.loads((out_dir / "recall.json").read_text())
+    assert set(recall["token_recall"]) == {"clusterkv", "quest", "streaming", "oracle"}
+    assert all(v == pytest.approx(1.0) for v in recall["token_recall"]["oracle"].values())
+    ppl = json.loads((out_dir / "ppl.json").read_text())
+    assert set(ppl["ppl"]) == {"full", "clusterkv"}
+
+
+def _ensure_python3_kernelspec() -> None:
+    """nbclient starts the kernel spec `python3`; register this interpreter's ipykernel if none is found."""
+    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+
+    try:
+        KernelSpecManager().get_kernel_spec("python3")
+    except NoSuchKernel:
+        subprocess.run([sys.executable, "-m", "ipykernel", "install", "--sys-prefix", "--name", "python3"],
+                       check=True, capture_output=True)
+
+
+def test_colab_notebook_runs(example_env, tmp_path, monkeypatch):
+    import nbformat
+    from nbclient import NotebookClient
+
+    _ensure_python3_kernelspec()
+    for key, value in example_env.items():  # the kernel inherits this process's environment
+        monkeypatch.setenv(key, value)
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    client = NotebookClient(nb, kernel_name="python3", timeout=600, allow_errors=False,
+                            resources={"metadata": {"path": str(tmp_path)}})
+    t0, cpu0 = time.perf_counter(), _children_cpu_seconds()
+    client.execute()  # raises CellExecutionError on the first cell that fails
+    _report_time("clusterkv_colab.ipynb", t0, cpu0)
+    outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    assert "path: pure JAX" in text or "path: Pallas" in text
+    assert "[full KV]" in text and "[ClusterKV B=" in text and "tokens/s" in text
+    images = [o for o in outputs if "image/png" in o.get("data", {})]
+    assert len(images) == 2  # the selected clusters and the sweep
