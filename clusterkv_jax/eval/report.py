@@ -24,10 +24,14 @@ def plot(tables: dict[str, dict[str, dict[str, float]]], path: str, title: str) 
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(tables), figsize=(5.5 * len(tables), 4), squeeze=False)
+    # One colour per policy in every panel, even where a panel lacks some policy (e.g. "full" in deltas).
+    names = list(dict.fromkeys(n for table in tables.values() for n in table))
+    colours = {n: f"C{i}" for i, n in enumerate(names)}
     for ax, (metric, table) in zip(axes[0], tables.items()):
         for name, row in table.items():
             budgets = sorted(row, key=int)
-            ax.plot([int(b) for b in budgets], [row[b] for b in budgets], marker="o", label=name)
+            ax.plot([int(b) for b in budgets], [row[b] for b in budgets], marker="o", label=name,
+                    color=colours[name])
         ax.set_xscale("log", base=2)
         ax.set_xlabel("budget B (tokens)")
         ax.set_ylabel(metric)
