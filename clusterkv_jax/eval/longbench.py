@@ -74,13 +74,9 @@ NO_CHAT_DATASETS = ("trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p")
 
 
 def parse_tasks(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    for n in names:
-        if n not in DATASET2PROMPT:
-            raise ValueError(f"unknown LongBench task {n!r}; choose from {', '.join(LONGBENCH_TASKS)}")
-    if not names:
-        raise ValueError("no tasks given")
-    return names
+    from clusterkv_jax.eval.policies import parse_choices
+
+    return parse_choices(text, list(LONGBENCH_TASKS), "LongBench task")
 
 
 def read_jsonl(data_dir: str, dataset: str, limit: int | None = None) -> list[dict[str, Any]]:

@@ -18,11 +18,16 @@ def make_policy(name: str, budget: int, **options: Any) -> KVPolicy:
     return POLICY_CLASSES[name](budget=budget, **options)
 
 
-def parse_policies(text: str) -> list[str]:
+def parse_choices(text: str, choices, what: str) -> list[str]:
+    """Comma-separated names, each one of `choices`; ValueError naming the first unknown one."""
     names = [n.strip() for n in text.split(",") if n.strip()]
     for n in names:
-        if n != "full" and n not in POLICY_CLASSES:
-            raise ValueError(f"unknown policy {n!r}; choose from full, {', '.join(POLICY_CLASSES)}")
+        if n not in choices:
+            raise ValueError(f"unknown {what} {n!r}; choose from {', '.join(choices)}")
     if not names:
-        raise ValueError("no policies given")
+        raise ValueError(f"no {what}s given")
     return names
+
+
+def parse_policies(text: str) -> list[str]:
+    return parse_choices(text, ["full", *POLICY_CLASSES], "policy")

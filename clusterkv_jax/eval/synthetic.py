@@ -173,13 +173,9 @@ def is_correct(prediction: str, answer: str) -> bool:
 
 
 def parse_tasks(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    for n in names:
-        if n not in SYNTHETIC_TASKS:
-            raise ValueError(f"unknown synthetic task {n!r}; choose from {', '.join(SYNTHETIC_TASKS)}")
-    if not names:
-        raise ValueError("no tasks given")
-    return names
+    from clusterkv_jax.eval.policies import parse_choices
+
+    return parse_choices(text, list(SYNTHETIC_TASKS), "synthetic task")
 
 
 def run_synthetic(model, contexts: Sequence[int], samples: int, budgets: list[int], policy_names: list[str],

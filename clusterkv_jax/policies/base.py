@@ -58,6 +58,18 @@ class KVPolicy:
         raise NotImplementedError
 
 
+class StatelessPolicy(KVPolicy):
+    """A policy that keeps no index: a placeholder state and nothing to do after prefill."""
+
+    def init_state(self, config: ModelConfig, batch_size: int, capacity: int) -> Any:
+        import jax.numpy as jnp
+
+        return jnp.zeros((config.num_layers,), jnp.int32)  # a placeholder leaf: scan needs an [L] axis
+
+    def after_prefill(self, state: Any, keys: jax.Array, lengths: jax.Array) -> Any:
+        return state
+
+
 class IndexedPolicy(KVPolicy):
     """A policy whose decode attention is: a budgeted selection over indexed tokens (`select`), plus a window of
     the generated tokens not yet indexed, [indexed_upto, length), attended in full.

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
 
-from clusterkv_jax.policies.base import KVPolicy
+from clusterkv_jax.policies.base import StatelessPolicy
 
 
 @dataclasses.dataclass(frozen=True)
-class FullKV(KVPolicy):
+class FullKV(StatelessPolicy):
     """`offload=True` keeps every layer's KV in host memory and streams each whole layer to the device at
     every step (the uncompressed offloading baseline)."""
 
@@ -21,12 +20,6 @@ class FullKV(KVPolicy):
     def __post_init__(self):
         if self.offload:  # every layer is offloaded: none keeps device KV
             object.__setattr__(self, "full_layers", 0)
-
-    def init_state(self, config, batch_size, capacity):
-        return jnp.zeros((config.num_layers,), jnp.int32)  # a placeholder leaf: scan needs an [L] axis
-
-    def after_prefill(self, state, keys, lengths):
-        return state
 
     def decode_attention(self, state, q, keys, values, lengths, prompt_lengths):
         raise AssertionError("FullKV never selects: the model attends to the whole cache itself")

@@ -10,12 +10,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from clusterkv_jax.policies.base import KVPolicy
+from clusterkv_jax.policies.base import StatelessPolicy
 from clusterkv_jax.policies.common import attend_to_indices, expand_heads, recent_window
 
 
 @dataclasses.dataclass(frozen=True)
-class OracleTopK(KVPolicy):
+class OracleTopK(StatelessPolicy):
     """Each query head attends to the `budget` prompt tokens (positions < prompt_length) with the largest
     raw inner product q·k (query head n reads KV head n // G), found by scoring every prompt token, plus every
     generated token [prompt_length, length).
@@ -36,12 +36,6 @@ class OracleTopK(KVPolicy):
             raise ValueError(f"budget must be > 0, got {self.budget}")
         if self.full_layers < 0:
             raise ValueError(f"full_layers must be >= 0, got {self.full_layers}")
-
-    def init_state(self, config, batch_size, capacity):
-        return jnp.zeros((config.num_layers,), jnp.int32)  # a placeholder leaf: scan needs an [L] axis
-
-    def after_prefill(self, state, keys, lengths):
-        return state
 
     def select(self, state, q, keys, lengths, prompt_lengths):
         """The exact top prompt tokens: idx, mask [B, N, min(budget, S)]."""

@@ -9,12 +9,12 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from clusterkv_jax.policies.base import KVPolicy
+from clusterkv_jax.policies.base import StatelessPolicy
 from clusterkv_jax.policies.common import attend_to_indices, expand_heads, recent_window, sink_slots
 
 
 @dataclasses.dataclass(frozen=True)
-class StreamingLLM(KVPolicy):
+class StreamingLLM(StatelessPolicy):
     """Attends the first `sinks` tokens and the most recent `budget - sinks` tokens of the whole sequence.
 
     Everything in between is evicted for good: the choice ignores the query, so a token that left the window
@@ -38,12 +38,6 @@ class StreamingLLM(KVPolicy):
             raise ValueError(f"budget={self.budget} must be >= sinks={self.sinks}")
         if self.full_layers < 0:
             raise ValueError(f"full_layers must be >= 0, got {self.full_layers}")
-
-    def init_state(self, config, batch_size, capacity):
-        return jnp.zeros((config.num_layers,), jnp.int32)  # a placeholder leaf: scan needs an [L] axis
-
-    def after_prefill(self, state, keys, lengths):
-        return state
 
     def select(self, state, q, keys, lengths, prompt_lengths):
         """Sinks then the sliding window: idx, mask [B, N, budget], the same for every head."""
