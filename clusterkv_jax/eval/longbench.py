@@ -192,10 +192,7 @@ def run_longbench(model, data_dir: str, tasks: Sequence[str], max_length: int, b
         raise ValueError("LongBench needs a model with a tokenizer")
     if max_length < 16:
         raise ValueError("--max-length must be >= 16")
-    tasks = list(tasks)
-    for t in tasks:
-        if t not in DATASET2PROMPT:
-            raise ValueError(f"unknown LongBench task {t!r}; choose from {', '.join(LONGBENCH_TASKS)}")
+    tasks = parse_tasks(",".join(tasks))  # validates the names
     if chat is None:
         chat = bool(model.tokenizer.chat_template)
     max_positions = model.config.max_position_embeddings

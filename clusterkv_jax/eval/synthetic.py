@@ -196,10 +196,7 @@ def run_synthetic(model, contexts: Sequence[int], samples: int, budgets: list[in
         raise ValueError("synthetic tasks need a model with a tokenizer")
     if samples < 1:
         raise ValueError("--samples must be >= 1")
-    tasks = list(tasks)
-    for t in tasks:
-        if t not in SYNTHETIC_TASKS:
-            raise ValueError(f"unknown synthetic task {t!r}; choose from {', '.join(SYNTHETIC_TASKS)}")
+    tasks = parse_tasks(",".join(tasks))  # validates the names
     limit = model.config.max_position_embeddings
     for c in contexts:
         if c + max_new_tokens > limit:
