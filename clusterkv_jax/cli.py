@@ -262,6 +262,99 @@ def cmd_bench_offload(args) -> int:
     return 0
 
 
+def _bench_model(args):
+    """(config, params, prompt_fn or None, label) for a real checkpoint or a synthetic geometry."""
+    import jax
+    import numpy as np
+
+    if args.synthetic:
+        from clusterkv_jax.config import synthetic_config
+        from clusterkv_jax.model import init_params
+
+        config = synthetic_config(args.synthetic, args.layers)
+        params = init_params(config, jax.random.PRNGKey(args.seed), dtype=args.dtype)
+        return config, params, None, f"{args.synthetic} geometry, {config.num_layers} layers, random weights"
+    model = load_model_for_bench(args)
+    text_path = args.text or os.path.join("..", "shared", "data", "pride_and_prejudice.txt")
+    if not os.path.isfile(text_path):
+        raise FileNotFoundError(f"no text at {text_path!r}; pass --text FILE (long UTF-8 text)")
+    with open(text_path, encoding="utf-8") as f:
+        text = f.read()
+    need = max(args.context) * args.batch
+    ids = model.tokenizer.encode(text[: 8 * need + 100_000], add_special_tokens=False)
+    if len(ids) < need:
+        raise ValueError(f"{text_path} has {len(ids)} tokens; --context {max(args.context)} x --batch "
+                         f"{args.batch} needs {need}")
+
+    def prompt_fn(context: int, batch: int) -> np.ndarray:
+        # Different passages of the same length, one per sequence.
+        return np.array([ids[i * context:(i + 1) * context] for i in range(batch)], np.int32)
+
+    return model.config, model.params, prompt_fn, os.path.basename(os.path.normpath(args.model))
+
+
+def load_model_for_bench(args):
+    from clusterkv_jax import load_model
+
+    if not args.model:
+        raise ValueError("pass --model DIR (a converted checkpoint) or --synthetic NAME")
+    model = load_model(args.model, dtype=args.dtype)
+    if model.tokenizer is None:
+        raise ValueError(f"{args.model} has no tokenizer.json; the benchmark prompts are text")
+    return model
+
+
+def cmd_bench_decode(args) -> int:
+    from clusterkv_jax.bench_decode import (bench_decode, format_decode, make_policies, measure_bandwidth,
+                                            write_bench)
+
+    if args.compare_hf and args.synthetic:
+        raise ValueError("--compare-hf needs a real --model")
+    if args.layers is not None and not args.synthetic:
+        raise ValueError("--layers applies to --synthetic geometries only")
+    if args.batch < 1:
+        raise ValueError(f"--batch must be >= 1, got {args.batch}")
+    policies = make_policies(args.policies, args.budgets, offload_kv=args.offload, gqa=args.gqa)
+    config, params, prompt_fn, label = _bench_model(args)
+    bandwidth = measure_bandwidth()["bandwidth_Bps"]
+    hf_fn = None
+    if args.compare_hf:
+        from clusterkv_jax.bench_hf import hf_decode_times, hf_model_from_params
+
+        hf_model = hf_model_from_params(config, params, args.dtype)
+        hf_fn = lambda prompts, decode: hf_decode_times(hf_model, prompts, decode)
+    results = bench_decode(params, config, policies, args.context, decode=args.decode, batch=args.batch,
+                           prompt_fn=prompt_fn, synthetic_seed=args.seed, bandwidth_Bps=bandwidth, hf_fn=hf_fn)
+    results["model"] = label
+    results["offload"] = args.offload
+    text = format_decode(results)
+    print(text)
+    if args.out:
+        paths = write_bench(results, args.out, "decode", text, f"decode speed: {label}, batch {args.batch}")
+        print("wrote " + ", ".join(paths.values()), file=sys.stderr)
+    return 0
+
+
+def cmd_bench_attention(args) -> int:
+    import jax.numpy as jnp
+
+    from clusterkv_jax.bench_decode import bench_attention, format_attention, make_policies, write_bench
+    from clusterkv_jax.config import ModelConfig, synthetic_config
+
+    config = synthetic_config(args.synthetic) if args.synthetic else ModelConfig.from_dir(args.model)
+    policies = make_policies(args.policies, args.budgets, gqa=args.gqa)
+    results = bench_attention(config, policies, args.context, batch=args.batch, dtype=jnp.dtype(args.dtype),
+                              repeats=args.repeats, seed=args.seed)
+    label = args.synthetic or os.path.basename(os.path.normpath(args.model))
+    results["model"] = label
+    text = format_attention(results)
+    print(text)
+    if args.out:
+        paths = write_bench(results, args.out, "attention", text, f"one layer's decode attention: {label}")
+        print("wrote " + ", ".join(paths.values()), file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="clusterkv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -337,6 +430,37 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--max-chars", type=int, default=0)
     o.add_argument("--json", default=None)
     o.set_defaults(func=cmd_bench_offload)
+    def bench_parser(name, help, func, contexts, policies):
+        from clusterkv_jax.config import SYNTHETIC_GEOMETRIES
+        from clusterkv_jax.eval.policies import parse_policies
+
+        b = bench.add_parser(name, help=help)
+        src = b.add_mutually_exclusive_group(required=True)
+        src.add_argument("--model", help="a converted checkpoint directory")
+        src.add_argument("--synthetic", choices=sorted(SYNTHETIC_GEOMETRIES),
+                         help="random weights with this model's geometry")
+        b.add_argument("--context", type=_int_list, default=contexts, help="comma-separated context lengths")
+        b.add_argument("--budgets", type=_int_list, default=[512, 1024])
+        b.add_argument("--policies", type=parse_policies, default=parse_policies(policies))
+        b.add_argument("--gqa", choices=["per_head", "shared"], default="per_head", help="ClusterKV's GQA mode")
+        b.add_argument("--batch", type=int, default=1, help="sequences decoded together")
+        b.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+        b.add_argument("--seed", type=int, default=0)
+        b.add_argument("--out", default=None, help="directory for NAME.json, NAME.md and NAME.png")
+        b.set_defaults(func=func)
+        return b
+
+    dec = bench_parser("decode", "decode latency/throughput of each policy vs full KV, clustering share, roofline",
+                       cmd_bench_decode, [1000, 2000, 4000, 8000], "full,clusterkv,quest")
+    dec.add_argument("--decode", type=int, default=64, help="decode steps per policy and context")
+    dec.add_argument("--layers", type=int, default=None, help="--synthetic only: number of layers")
+    dec.add_argument("--text", default=None, help="prompt text (default ../shared/data/pride_and_prejudice.txt)")
+    dec.add_argument("--offload", action="store_true", help="keep KV in host memory (full, clusterkv, quest)")
+    dec.add_argument("--compare-hf", action="store_true",
+                     help="also time HF transformers' full-KV decode of the same weights (needs torch)")
+    att = bench_parser("attention", "one layer's decode attention alone: full vs select + gather + attend",
+                       cmd_bench_attention, [8000, 16000, 32000], "full,clusterkv,quest")
+    att.add_argument("--repeats", type=int, default=20)
     lb = eval_parser("longbench", "LongBench scores (the paper's 8 English datasets) of each policy",
                      cmd_eval_longbench, "clusterkv,quest,streaming", needs_text=False)
     lb.add_argument("--data-dir", required=True, help="directory of LongBench's DATASET.jsonl files")

@@ -161,3 +161,31 @@ def _parse_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling]:
         high_freq_factor=float(scaling["high_freq_factor"]),
         original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
     )
+
+
+# Published geometries (the models' HF config.json values) for benchmarks with random weights, where no small
+# real model reaches the context or the head layout: `synthetic_config("llama3-8b", layers=4)`.
+SYNTHETIC_GEOMETRIES: dict[str, dict[str, Any]] = {
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                      num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=131072,
+                      rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)),
+    "mistral-7b": dict(vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                       num_kv_heads=8, head_dim=128, rope_theta=1000000.0, max_position_embeddings=32768),
+    "llama2-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32,
+                      num_kv_heads=32, head_dim=128, max_position_embeddings=4096),
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                         num_kv_heads=3, head_dim=64, rope_theta=100000.0, max_position_embeddings=8192,
+                         tie_word_embeddings=True),
+}
+
+
+def synthetic_config(name: str, layers: int | None = None) -> ModelConfig:
+    """The named geometry, optionally cut to `layers` layers (random weights make depth a free choice)."""
+    if name not in SYNTHETIC_GEOMETRIES:
+        raise ValueError(f"unknown geometry {name!r}; choose from {', '.join(SYNTHETIC_GEOMETRIES)}")
+    fields = dict(SYNTHETIC_GEOMETRIES[name])
+    if layers is not None:
+        if layers < 1:
+            raise ValueError(f"layers must be >= 1, got {layers}")
+        fields["num_layers"] = layers
+    return ModelConfig(**fields)

@@ -1,0 +1,90 @@
+"""HF transformers' full-KV decode of the same weights, for `clusterkv bench decode --compare-hf`.
+
+Needs torch and transformers (the test extras). The HF model is built from our parameters, so both sides run
+the same weights in the same dtype; `tests/test_bench.py` checks that its logits match ours.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+from clusterkv_jax.config import ModelConfig
+
+
+def hf_config(config: ModelConfig):
+    """A transformers LlamaConfig with our config's geometry (Llama / Mistral layouts: no biases)."""
+    from transformers import LlamaConfig
+
+    if config.qkv_bias or config.o_bias:
+        raise ValueError("--compare-hf supports models without attention biases (Llama, Mistral)")
+    rope: dict[str, Any] = {"rope_type": config.rope_scaling.rope_type, "rope_theta": config.rope_theta}
+    s = config.rope_scaling
+    if s.rope_type == "linear":
+        rope["factor"] = s.factor
+    elif s.rope_type == "llama3":
+        rope.update(factor=s.factor, low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
+                    original_max_position_embeddings=s.original_max_position_embeddings)
+    return LlamaConfig(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps,
+        max_position_embeddings=config.max_position_embeddings, tie_word_embeddings=config.tie_word_embeddings,
+        rope_parameters=rope,
+    )
+
+
+def hf_model_from_params(config: ModelConfig, params, dtype: str = "float32"):
+    """transformers LlamaForCausalLM holding our parameters (the inverse of the HF converter's layout)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch_dtype = getattr(torch, dtype)
+    t = lambda x: torch.from_numpy(np.array(x, np.float32)).to(torch_dtype)
+    L, D = config.num_layers, config.hidden_size
+    lay = {k: np.asarray(v, np.float32) for k, v in params["layers"].items()}
+    state = {"model.embed_tokens.weight": t(params["embed"]), "model.norm.weight": t(params["final_norm"])}
+    if not config.tie_word_embeddings:
+        state["lm_head.weight"] = t(np.asarray(params["lm_head"], np.float32).T)
+    for i in range(L):
+        p = f"model.layers.{i}."
+        state[p + "input_layernorm.weight"] = t(lay["attn_norm"][i])
+        state[p + "post_attention_layernorm.weight"] = t(lay["mlp_norm"][i])
+        for name in ("q", "k", "v"):  # [D, heads, H] -> [heads * H, D]
+            state[p + f"self_attn.{name}_proj.weight"] = t(lay[name][i].reshape(D, -1).T)
+        state[p + "self_attn.o_proj.weight"] = t(lay["o"][i].reshape(-1, D).T)  # [N, H, D] -> [D, N * H]
+        for name in ("gate", "up", "down"):
+            state[p + f"mlp.{name}_proj.weight"] = t(lay[name][i].T)
+    model = LlamaForCausalLM(hf_config(config)).to(torch_dtype)
+    result = model.load_state_dict(state, strict=False)
+    missing = [n for n in result.missing_keys if not (config.tie_word_embeddings and n == "lm_head.weight")]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"HF model parameters not matched: missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}")
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model.eval()
+
+
+def hf_decode_times(model, prompts: np.ndarray, decode: int, warmup: int = 2) -> dict[str, float]:
+    """Greedy decode of prompts [B, T] with HF's own KV cache: prefill seconds and median ms per step."""
+    import torch
+
+    ids = torch.from_numpy(np.asarray(prompts, np.int64))
+    times = []
+    with torch.inference_mode():
+        start = time.perf_counter()
+        out = model(input_ids=ids, use_cache=True)
+        prefill_s = time.perf_counter() - start
+        past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        for _ in range(decode):
+            start = time.perf_counter()
+            out = model(input_ids=token, past_key_values=past, use_cache=True)
+            times.append(time.perf_counter() - start)
+            past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    step = statistics.median(times[warmup:])
+    B = ids.shape[0]
+    return {"prefill_s": prefill_s, "decode_ms": 1e3 * step, "decode_tokens_per_s": B / step,
+            "end_to_end_s": prefill_s + sum(times), "torch_threads": torch.get_num_threads()}

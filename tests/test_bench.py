@@ -1,0 +1,147 @@
+"""Benchmarks measure what they claim: the decode they time is real decoding (the tokens `generate` gives),
+the synthetic cache decodes alike on device and offloaded, the roofline byte count matches a NumPy count,
+and HF's model rebuilt from our weights gives our logits. Nothing here is timed."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from clusterkv_jax.bench_decode import (bench_attention, bench_decode, make_policies, step_bytes, synthetic_kv,
+                                        synthetic_prefill)
+from clusterkv_jax.bench_hf import hf_decode_times, hf_model_from_params
+from clusterkv_jax.config import ModelConfig, synthetic_config
+from clusterkv_jax.generate import decode_step, generate
+from clusterkv_jax.loading import Model
+from clusterkv_jax.model import forward_prefill, init_params
+from clusterkv_jax.cache import init_cache
+from clusterkv_jax.policies import ClusterKV, FullKV, Quest
+
+CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
+                  num_kv_heads=2, head_dim=16, max_position_embeddings=1024)
+PARAMS = init_params(CFG, jax.random.PRNGKey(0))
+SMALL = dict(sinks=4, tokens_per_cluster=8, decode_interval=16, decode_clusters=2)
+
+
+def test_bench_decode_times_the_tokens_generate_produces():
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, CFG.vocab_size, (2, 200)).astype(np.int32)
+    policies = {"full": FullKV(), "clusterkv@32": ClusterKV(budget=32, **SMALL), "quest@32": Quest(budget=32, page_size=8)}
+    results = bench_decode(PARAMS, CFG, policies, [120, 200], decode=20, batch=2,
+                           prompt_fn=lambda c, b: prompts[:b, :c], bandwidth_Bps=1e10, progress=False)
+    model = Model(config=CFG, params=PARAMS, tokenizer=None)
+    for context in (120, 200):
+        row = results["contexts"][str(context)]
+        assert set(row) == set(policies)
+        for name, policy in policies.items():
+            expected = generate(model, prompts[0, :context].tolist(), 21, policy=policy, stop_at_eos=False)
+            assert row[name]["tokens"] == expected.tokens[0], (context, name)
+            r = row[name]
+            assert r["decode_ms"] > 0 and r["x_roofline"] > 0
+            assert r["decode_tokens_per_s"] == pytest.approx(2e3 / r["decode_ms"])
+        assert row["clusterkv@32"]["clustering_s"] > 0
+        assert row["full"]["speedup_vs_full"] == 1.0
+
+
+def test_synthetic_cache_decodes_alike_on_device_and_offloaded():
+    kv = synthetic_kv(jax.random.PRNGKey(1), CFG, 2, 150, 256, jnp.float32)
+    token = jnp.array([3, 7], jnp.int32)
+    for on, off in [(ClusterKV(budget=40, **SMALL), ClusterKV(budget=40, offload=True, **SMALL)),
+                    (FullKV(), FullKV(offload=True))]:
+        logits = []
+        for policy in (on, off):
+            cache, _, info = synthetic_prefill(CFG, policy, kv, 150, 256, jnp.float32)
+            assert info["indexing_s"] > 0
+            assert cache.offloaded == policy.offload
+            out, cache = decode_step(PARAMS, token, cache, config=CFG, policy=policy)
+            logits.append(np.asarray(out))
+        np.testing.assert_allclose(logits[0], logits[1], atol=1e-5)
+
+
+def test_synthetic_cache_equals_the_state_a_prefill_leaves():
+    """Feeding index_prompt the K/V a real prefill stored reproduces the prefill's cache: same index, same KV."""
+    policy = ClusterKV(budget=40, **SMALL)
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 128, (1, 160)), jnp.int32)
+    lengths = jnp.array([150], jnp.int32)
+    _, real = forward_prefill(PARAMS, CFG, policy, tokens, lengths, init_cache(CFG, policy, 1, 256, jnp.float32))
+    from clusterkv_jax.bench_decode import index_prompt
+
+    built = index_prompt(real.k, real.v, lengths, init_cache(CFG, policy, 1, 256, jnp.float32), config=CFG,
+                         policy=policy)
+    for a, b in zip(jax.tree_util.tree_leaves(real), jax.tree_util.tree_leaves(built)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_step_bytes_match_a_numpy_count():
+    L, K, N, H, ctx, B = CFG.num_layers, CFG.num_kv_heads, CFG.num_heads, CFG.head_dim, 300, 2
+    all_params = sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(PARAMS))
+    # Untied: the LM head is read whole, the embedding table only at the B new tokens.
+    weights = all_params - np.asarray(PARAMS["embed"]).nbytes + B * CFG.hidden_size * 4
+    row = 2 * H * 4
+    full = step_bytes(CFG, PARAMS, FullKV(), ctx, B, 0, 4)
+    assert full == {"weights": weights, "kv": L * B * K * ctx * row, "metadata": 0,
+                    "total": weights + L * B * K * ctx * row}
+    ckv = step_bytes(CFG, PARAMS, ClusterKV(budget=64, full_layers=1, **SMALL), ctx, B, 10, 4)
+    kv = 1 * B * K * ctx * row + 3 * B * N * (64 + 10) * row
+    assert ckv["kv"] == kv
+    assert ckv["metadata"] == 3 * B * K * ((ctx - 4) // 8) * H * 4
+
+
+def test_bench_attention_reports_every_policy():
+    policies = make_policies(["full", "clusterkv", "quest"], [32], gqa="per_head")
+    results = bench_attention(CFG, policies, [100], batch=2, repeats=2, progress=False)
+    row = results["contexts"]["100"]
+    assert set(row) == {"full", "clusterkv@32", "clusterkv@32 select", "quest@32", "quest@32 select"}
+    assert row["clusterkv@32"]["indexing_ms"] > 0
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_hf_model_from_our_params_gives_our_logits(tie):
+    import dataclasses
+
+    config = dataclasses.replace(CFG, tie_word_embeddings=tie, rope_theta=500000.0)
+    params = init_params(config, jax.random.PRNGKey(3))
+    if tie:
+        params.pop("lm_head", None)
+    tokens = np.random.default_rng(4).integers(0, 128, (1, 40))
+    ours, _ = forward_prefill(params, config, FullKV(), jnp.asarray(tokens, jnp.int32), jnp.array([40]),
+                              init_cache(config, FullKV(), 1, 64, jnp.float32), all_logits=True)
+    hf = hf_model_from_params(config, params)
+    with torch.no_grad():
+        theirs = hf(torch.from_numpy(tokens)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(ours), theirs, atol=2e-4)
+    times = hf_decode_times(hf, tokens, 4)
+    assert times["decode_ms"] > 0
+
+
+def test_synthetic_geometries_and_bad_names():
+    cfg = synthetic_config("llama3-8b", layers=3)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.num_layers) == (32, 8, 128, 4096, 3)
+    with pytest.raises(ValueError, match="unknown geometry"):
+        synthetic_config("llama9")
+    with pytest.raises(ValueError, match="must include 'full'"):
+        bench_decode(PARAMS, CFG, {"ckv": ClusterKV()}, [100], prompt_fn=lambda c, b: None)
+
+
+def test_cli_bench_decode_and_attention_write_tables_and_plots(smollm2_converted_dir, tmp_path, capsys):
+    from clusterkv_jax.cli import main
+
+    out = tmp_path / "bench"
+    assert main(["bench", "decode", "--model", smollm2_converted_dir, "--context", "100,200", "--decode", "4",
+                 "--budgets", "64", "--batch", "2", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "clusterkv@64" in printed and "quest@64" in printed and "measured bandwidth" in printed
+    data = json.loads((out / "decode.json").read_text())
+    assert set(data["contexts"]) == {"100", "200"} and data["batch"] == 2
+    assert data["bandwidth_Bps"] > 0
+    assert (out / "decode.png").stat().st_size > 0 and (out / "decode.md").read_text().count("| full |") == 2
+    assert main(["bench", "attention", "--model", smollm2_converted_dir, "--context", "300", "--budgets", "64",
+                 "--repeats", "2", "--out", str(out)]) == 0
+    assert json.loads((out / "attention.json").read_text())["geometry"]["num_kv_heads"] == 3
+    assert main(["bench", "decode", "--synthetic", "llama3-8b", "--compare-hf", "--layers", "1"]) == 2
