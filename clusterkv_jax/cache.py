@@ -79,6 +79,48 @@ def init_cache(config: ModelConfig, policy, batch_size: int, capacity: int, dtyp
     )
 
 
+# Row access with the sequence and KV-head dims as gather / scatter batching dims: stores are [L, B, K, S, H]
+# (rows addressed by (layer, position)) or [B, K, S, H] (by position), indices [B, K, n, 2] or [B, K, n, 1].
+# Nothing is reshaped across B or K, so under a mesh (B on "data", K on "model") every shard reads and
+# writes its own rows without a collective, and host-memory stores need no constants on the host side.
+# Gathers clamp out-of-range positions and scatters skip them (XLA's native semantics).
+_IN_BOUNDS = jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS
+
+
+def _row_dims(ndim: int):
+    if ndim == 5:
+        return dict(collapsed=(0, 3), index_map=(0, 3), batching=(1, 2))
+    return dict(collapsed=(2,), index_map=(2,), batching=(0, 1))
+
+
+def row_index(positions: jax.Array, layer: jax.Array | int | None = None) -> jax.Array:
+    """positions [B, K, n] (and a layer, for [L, B, K, S, H] stores) -> indices [B, K, n, 2 or 1]."""
+    positions = positions.astype(jnp.int32)
+    if layer is None:
+        return positions[..., None]
+    layer = jnp.broadcast_to(jnp.asarray(layer, jnp.int32), positions.shape)
+    return jnp.stack([layer, positions], axis=-1)
+
+
+def gather_rows(store: jax.Array, index: jax.Array) -> jax.Array:
+    """store [L, B, K, S, H] or [B, K, S, H], index [B, K, n, .] from `row_index` -> rows [B, K, n, H]."""
+    d = _row_dims(store.ndim)
+    dims = jax.lax.GatherDimensionNumbers(offset_dims=(3,), collapsed_slice_dims=d["collapsed"],
+                                          start_index_map=d["index_map"], operand_batching_dims=d["batching"],
+                                          start_indices_batching_dims=(0, 1))
+    return jax.lax.gather(store, index, dims, slice_sizes=(1,) * (store.ndim - 1) + (store.shape[-1],),
+                          mode=_IN_BOUNDS)
+
+
+def scatter_rows(store: jax.Array, index: jax.Array, rows: jax.Array) -> jax.Array:
+    """Writes rows [B, K, n, H] at index [B, K, n, .] (from `row_index`) into store; returns the store."""
+    d = _row_dims(store.ndim)
+    dims = jax.lax.ScatterDimensionNumbers(update_window_dims=(3,), inserted_window_dims=d["collapsed"],
+                                           scatter_dims_to_operand_dims=d["index_map"],
+                                           operand_batching_dims=d["batching"], scatter_indices_batching_dims=(0, 1))
+    return jax.lax.scatter(store, index, rows.astype(store.dtype), dims, mode=_IN_BOUNDS)
+
+
 def kv_bytes(cache: KVCache) -> dict[str, int]:
     """Bytes of KV held on the device (full layers, plus ring and recall cache when offloaded) and on the host."""
     device = cache.k.nbytes + cache.v.nbytes

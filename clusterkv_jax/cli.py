@@ -61,6 +61,15 @@ def _print_result(result, label: str) -> None:
 
 
 def cmd_generate(args) -> int:
+    if args.mesh:
+        from clusterkv_jax import sharding
+
+        try:
+            sharding.parse_mesh(args.mesh)
+        except ValueError as e:
+            print(f"clusterkv generate: {e}", file=sys.stderr)
+            return 2
+        sharding.request_host_devices(args.mesh)  # on CPU: data*model host devices (before JAX starts)
     from clusterkv_jax import generate, load_model
 
     if args.prompt_file:
@@ -70,7 +79,7 @@ def cmd_generate(args) -> int:
         prompt = args.prompt
     model = load_model(args.model, dtype=args.dtype)
     result = generate(model, prompt, args.max_new_tokens, chat=args.chat, temperature=args.temperature,
-                      top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+                      top_k=args.top_k, top_p=args.top_p, seed=args.seed, mesh=args.mesh)
     print(result.texts[0] if result.texts else result.tokens[0])
     n = result.num_generated
     print(f"{n} tokens in {result.seconds:.2f}s (compile included) = {n / result.seconds:.1f} tokens/s",
@@ -371,6 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    g.add_argument("--mesh", default=None, metavar="data=D,model=M",
+                   help="shard over D*M devices: batch on 'data', KV heads on 'model' (on CPU, D*M host devices "
+                        "are requested automatically)")
     g.set_defaults(func=cmd_generate)
 
     d = sub.add_parser("demo", help="answer a question about a long document with the bundled SmolLM2-135M")

@@ -30,18 +30,36 @@ CAPACITY_MULTIPLE = 128
 # ----------------------------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("config", "policy", "all_logits"), donate_argnames=("cache",))
+def _pin_cache(cache: KVCache, config: ModelConfig, policy: KVPolicy, sharding) -> KVCache:
+    """Inside jit, with ShardingRules: keeps every cache leaf in its mesh layout (see clusterkv_jax.sharding)."""
+    if sharding is None:
+        return cache
+    from clusterkv_jax import sharding as sh
+
+    shardings = sh.cached_cache_shardings(config, policy, cache.batch_size, cache.capacity,
+                                          jnp.dtype(cache.k.dtype), sharding)
+    return sh.constrain_cache(cache, shardings)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "policy", "all_logits", "sharding"),
+                   donate_argnames=("cache",))
 def prefill(params, tokens, lengths, cache: KVCache, *, config: ModelConfig, policy: KVPolicy,
-            all_logits: bool = False):
+            all_logits: bool = False, sharding=None):
     """tokens [B, T] right-padded, lengths [B] -> (logits [B, V] at each last prompt token, or [B, T, V]
-    with `all_logits`; the filled cache). The input cache is donated."""
-    return forward_prefill(params, config, policy, tokens, lengths, cache, all_logits=all_logits)
+    with `all_logits`; the filled cache). The input cache is donated. `sharding`: the
+    `clusterkv_jax.sharding.ShardingRules` of a sharded cache (from `init_cache_sharded`), kept on return."""
+    cache = _pin_cache(cache, config, policy, sharding)
+    logits, cache = forward_prefill(params, config, policy, tokens, lengths, cache, all_logits=all_logits)
+    return logits, _pin_cache(cache, config, policy, sharding)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "policy"), donate_argnames=("cache",))
-def decode_step(params, tokens, cache: KVCache, *, config: ModelConfig, policy: KVPolicy):
-    """tokens [B] -> (logits [B, V], cache with the tokens appended). The input cache is donated."""
-    return forward_decode(params, config, policy, tokens, cache)
+@functools.partial(jax.jit, static_argnames=("config", "policy", "sharding"), donate_argnames=("cache",))
+def decode_step(params, tokens, cache: KVCache, *, config: ModelConfig, policy: KVPolicy, sharding=None):
+    """tokens [B] -> (logits [B, V], cache with the tokens appended). The input cache is donated.
+    `sharding`: as for `prefill`."""
+    cache = _pin_cache(cache, config, policy, sharding)
+    logits, cache = forward_decode(params, config, policy, tokens, cache)
+    return logits, _pin_cache(cache, config, policy, sharding)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -104,7 +122,7 @@ def cache_capacity(bucket: int, max_new_tokens: int) -> int:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("config", "policy", "max_new_tokens", "capacity", "cache_dtype")
+    jax.jit, static_argnames=("config", "policy", "max_new_tokens", "capacity", "cache_dtype", "sharding")
 )
 def generate_ids(
     params,
@@ -120,12 +138,17 @@ def generate_ids(
     max_new_tokens: int,
     capacity: int,
     cache_dtype: Any,
+    sharding=None,
 ):
     """Prefill and decode up to `max_new_tokens` in one compiled program. Returns (tokens [B, max_new_tokens]
-    padded with pad_id after each sequence's EOS, generated counts [B] including the EOS, final cache)."""
+    padded with pad_id after each sequence's EOS, generated counts [B] including the EOS, final cache).
+    With `sharding` (`clusterkv_jax.sharding.ShardingRules`) the cache is created and kept in its mesh
+    layout throughout (batch on "data", KV heads on "model")."""
     B = tokens.shape[0]
-    cache = init_cache(config, policy, B, capacity, cache_dtype)
+    pin = functools.partial(_pin_cache, config=config, policy=policy, sharding=sharding)
+    cache = pin(init_cache(config, policy, B, capacity, cache_dtype))
     logits, cache = forward_prefill(params, config, policy, tokens, lengths, cache)
+    cache = pin(cache)
     key, sub = jax.random.split(key)
     first = sample_tokens(logits, sampling, sub)
     out = jnp.full((B, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
@@ -139,6 +162,7 @@ def generate_ids(
     def step_fn(carry):
         step, last, cache, out, done, counts, key = carry
         logits, cache = forward_decode(params, config, policy, last, cache)
+        cache = pin(cache)
         key, sub = jax.random.split(key)
         nxt = jnp.where(done, pad_id, sample_tokens(logits, sampling, sub))
         out = jax.lax.dynamic_update_slice(out, nxt[:, None], (0, step))
@@ -148,7 +172,23 @@ def generate_ids(
 
     carry = (jnp.int32(1), first, cache, out, done, counts, key)
     _, _, cache, out, _, counts, _ = jax.lax.while_loop(keep_going, step_fn, carry)
-    return out, counts, cache
+    return out, counts, pin(cache)
+
+
+def _placed_params(model, rules):
+    """model.params on the mesh of `rules`, placed on the first call and kept on the model object."""
+    from clusterkv_jax import sharding as sh
+
+    key = (rules.mesh, rules.heads, rules.mlp)
+    kept = getattr(model, "_sharded_params", None)
+    if kept is not None and kept[0] is model.params and kept[1] == key:
+        return kept[2]
+    placed = sh.shard_params(model.params, model.config, rules)
+    try:
+        model._sharded_params = (model.params, key, placed)
+    except (AttributeError, TypeError):  # a frozen or slotted model object: place on every call
+        pass
+    return placed
 
 
 @dataclasses.dataclass
@@ -210,6 +250,7 @@ def generate(
     max_length: int | None = None,
     cache_dtype: Any = None,
     return_cache: bool = False,
+    mesh: Any = None,
 ) -> GenerationResult:
     """Generates continuations for a prompt or a batch of prompts of different lengths.
 
@@ -217,6 +258,12 @@ def generate(
     (tokenised; `chat=True` wraps each in the chat template as a user turn) or token ids. Greedy by default;
     `temperature > 0` samples, optionally within `top_k` / `top_p`. Each sequence stops at its EOS.
     `max_length` caps prompt + new tokens (default: the model's `max_position_embeddings`).
+
+    `mesh` (a `jax.sharding.Mesh` with axes ("data", "model"), or a spec such as "data=2,model=2"; see
+    `clusterkv_jax.sharding`) runs the batch sharded over "data" and the KV heads over "model". The tokens
+    are the same as without a mesh. Parameters are placed once and kept on `model` for later calls (or
+    pass a model whose params came from `shard_params`). A batch that does not divide "data" is padded with
+    copies of the first prompt; those rows are dropped from the results but stay in `cache`.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -233,10 +280,23 @@ def generate(
         )
     sampling = Sampling.make(temperature, top_k, top_p)
     bucket = bucket_length(longest)
+    n_prompts = len(ids)
+    rules, params = None, model.params
+    if mesh is not None:
+        from clusterkv_jax import sharding as sh
+
+        mesh = sh.make_mesh(mesh)
+        policy = sh.policy_for_mesh(policy, mesh)
+        ids = ids + [ids[0]] * (sh.padded_batch(n_prompts, mesh) - n_prompts)
+        rules = sh.sharding_rules(config, mesh, len(ids))
+        params = _placed_params(model, rules)
     tokens = np.zeros((len(ids), bucket), np.int32)
     for i, p in enumerate(ids):
         tokens[i, : len(p)] = p
     lengths = np.array([len(p) for p in ids], np.int32)
+    tokens_in, lengths_in = jnp.asarray(tokens), jnp.asarray(lengths)
+    if rules is not None:
+        tokens_in, lengths_in = sh.shard_batch(tokens, rules), sh.shard_batch(lengths, rules)
     eos = set(config.eos_token_ids)
     if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
         eos.add(model.tokenizer.eos_token_id)
@@ -247,18 +307,18 @@ def generate(
 
     start = time.perf_counter()
     out, counts, cache = generate_ids(
-        model.params, jnp.asarray(tokens), jnp.asarray(lengths), sampling, jax.random.PRNGKey(seed),
+        params, tokens_in, lengths_in, sampling, jax.random.PRNGKey(seed),
         jnp.asarray(eos_ids), jnp.int32(pad_id),
         config=config, policy=policy, max_new_tokens=max_new_tokens,
-        capacity=cache_capacity(bucket, max_new_tokens), cache_dtype=jnp.dtype(cache_dtype),
+        capacity=cache_capacity(bucket, max_new_tokens), cache_dtype=jnp.dtype(cache_dtype), sharding=rules,
     )
     out, counts = np.asarray(out), np.asarray(counts)
     seconds = time.perf_counter() - start
-    generated = [out[i, : counts[i]].tolist() for i in range(len(ids))]
+    generated = [out[i, : counts[i]].tolist() for i in range(n_prompts)]
     texts = None
     if model.tokenizer is not None:
         texts = [model.tokenizer.decode(g) for g in generated]
     return GenerationResult(
-        tokens=generated, texts=texts, prompt_lengths=lengths.tolist(), seconds=seconds,
+        tokens=generated, texts=texts, prompt_lengths=lengths[:n_prompts].tolist(), seconds=seconds,
         cache=cache if return_cache else None,
     )

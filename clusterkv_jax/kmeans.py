@@ -5,7 +5,9 @@ member keys' unit vectors (spherical K-means), which makes the objective Σ cos(
 non-decreasing. After convergence each cluster's stored centroid is the mean of its member keys (raw, not
 normalised), so that q·μ equals the members' average attention logit: that is what ClusterKV ranks by.
 
-Shapes: P independent problems (batch × KV heads), N keys, C (static) cluster slots, H head dim.
+Shapes: P independent problems (batch × KV heads), N keys, C (static) cluster slots, H head dim. P may be
+several leading dims (e.g. [B, K]): every function maps over all of them, so callers need not merge B and K
+into one dim (which, under a mesh with B and K on different axes, would force a gather).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from clusterkv_jax.ops import top_k_indices
 
 _EPS = 1e-12
 
@@ -33,12 +37,19 @@ def _normalize(x: jax.Array) -> jax.Array:
     return x / jnp.maximum(norm, _EPS)
 
 
+def _map_leading(fn, n: int):
+    """fn vmapped over n leading dims."""
+    for _ in range(n):
+        fn = jax.vmap(fn)
+    return fn
+
+
 def _assign(unit_keys, valid, directions, cluster_ok):
     """Label of the most cosine-similar allowed cluster per key; C for masked keys."""
-    C = directions.shape[1]
+    C = directions.shape[-2]
     # [P, N, C]
-    sim = jnp.einsum("PNH,PCH->PNC", unit_keys, directions)
-    sim = jnp.where(cluster_ok[:, None, :], sim, -jnp.inf)
+    sim = jnp.einsum("...NH,...CH->...NC", unit_keys, directions)
+    sim = jnp.where(cluster_ok[..., None, :], sim, -jnp.inf)
     labels = jnp.argmax(sim, axis=-1).astype(jnp.int32)
     return jnp.where(valid, labels, C)
 
@@ -55,18 +66,20 @@ def _member_sums(labels, x, C, kernel: str = "reference"):
     if kernel != "reference":
         from pallas_kernels import centroid_update
 
-        sums, counts = centroid_update(x, labels, C, interpret=kernel == "interpret")
-        return sums, counts.astype(jnp.float32)
+        lead, (N, H) = x.shape[:-2], x.shape[-2:]
+        sums, counts = centroid_update(x.reshape(-1, N, H), labels.reshape(-1, N), C,
+                                       interpret=kernel == "interpret")
+        return sums.reshape(lead + (C, H)), counts.astype(jnp.float32).reshape(lead + (C,))
     # [P, N, C]
     onehot = jax.nn.one_hot(labels, C, dtype=jnp.float32)
-    sums = jnp.einsum("PNC,PNH->PCH", onehot, x)
-    counts = jnp.sum(onehot, axis=1)
+    sums = jnp.einsum("...NC,...NH->...CH", onehot, x)
+    counts = jnp.sum(onehot, axis=-2)
     return sums, counts
 
 
 def cluster_mask(num_clusters: jax.Array, C: int) -> jax.Array:
     """[P, C] True for the cluster slots each problem uses."""
-    return jnp.arange(C)[None, :] < num_clusters[:, None]
+    return jnp.arange(C) < num_clusters[..., None]
 
 
 @functools.partial(jax.jit, static_argnames=("max_iters", "kernel"))
@@ -79,7 +92,7 @@ def kmeans_from_directions(
     kernel: str = "reference",
 ) -> KMeansResult:
     """Lloyd iterations under cosine similarity from given initial cluster directions."""
-    C = init_directions.shape[1]
+    C = init_directions.shape[-2]
     x = keys.astype(jnp.float32)
     unit = _normalize(x)
     ok = cluster_mask(num_clusters, C)
@@ -112,10 +125,10 @@ def init_random(keys: jax.Array, valid: jax.Array, C: int, rngs: jax.Array) -> j
 
     rngs holds one PRNG key per problem [P, 2], so a problem's seeds do not depend on the batch around it.
     """
-    N = keys.shape[1]
-    u = jax.vmap(lambda r: jax.random.uniform(r, (N,)))(rngs)  # [P, N]
-    _, idx = jax.lax.top_k(jnp.where(valid, u, -1.0 - u), C)  # valid keys first, in random order
-    return jnp.take_along_axis(keys.astype(jnp.float32), idx[..., None], axis=1)
+    N = keys.shape[-2]
+    u = _map_leading(lambda r: jax.random.uniform(r, (N,)), rngs.ndim - 1)(rngs)  # [P, N]
+    idx = top_k_indices(jnp.where(valid, u, -1.0 - u), C)  # valid keys first, in random order
+    return jnp.take_along_axis(keys.astype(jnp.float32), idx[..., None], axis=-2)
 
 
 def init_kmeans_plus_plus(keys: jax.Array, valid: jax.Array, C: int, rngs: jax.Array) -> jax.Array:
@@ -138,7 +151,7 @@ def init_kmeans_plus_plus(keys: jax.Array, valid: jax.Array, C: int, rngs: jax.A
 
         return jax.lax.fori_loop(1, C, body, (seeds, best_sim))[0]
 
-    return jax.vmap(one)(keys, valid, rngs)
+    return _map_leading(one, valid.ndim - 1)(keys, valid, rngs)
 
 
 def problem_keys(seed_key: jax.Array, P: int) -> jax.Array:
@@ -170,7 +183,7 @@ def cosine_kmeans(
 
 def cosine_objective(keys: jax.Array, valid: jax.Array, labels: jax.Array, directions: jax.Array) -> jax.Array:
     """Σ over valid keys of (1 − cos(key, direction of its cluster)) per problem: [P]."""
-    C = directions.shape[1]
-    d = jnp.take_along_axis(_normalize(directions), jnp.minimum(labels, C - 1)[..., None], axis=1)
+    C = directions.shape[-2]
+    d = jnp.take_along_axis(_normalize(directions), jnp.minimum(labels, C - 1)[..., None], axis=-2)
     cos = jnp.sum(_normalize(keys.astype(jnp.float32)) * d, axis=-1)
     return jnp.sum(jnp.where(valid, 1.0 - cos, 0.0), axis=-1)

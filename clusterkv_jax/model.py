@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from clusterkv_jax import attention, offload
-from clusterkv_jax.cache import KVCache
+from clusterkv_jax.cache import KVCache, row_index, scatter_rows
 from clusterkv_jax.config import ModelConfig
 
 Params = dict[str, Any]
@@ -240,7 +240,6 @@ def forward_decode(
     new_lengths = cache.lengths + 1
     x = params["embed"][tokens][:, None]  # [B, 1, D]
     layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
-    batch_ids = jnp.arange(B)
     compressed = policy.full_layers < config.num_layers
 
     offloaded = cache.offloaded
@@ -255,9 +254,11 @@ def forward_decode(
 
         def on_device(args):
             k_all, v_all, host_k, host_v, state, ost = args
-            # Write this token's K/V at each sequence's own position: [B, K, H] rows into [L, B, K, S, H].
-            k_all = k_all.at[layer_id, batch_ids, :, cache.lengths].set(k1.astype(k_all.dtype))
-            v_all = v_all.at[layer_id, batch_ids, :, cache.lengths].set(v1.astype(v_all.dtype))
+            # Write this token's K/V at each sequence's own position: [B, K, H] rows into [L, B, K, S, H]
+            # (B and K as scatter batching dims, so a sharded cache is written shard by shard).
+            rows = row_index(jnp.broadcast_to(cache.lengths[:, None, None], k1.shape[:2] + (1,)), layer_id)
+            k_all = scatter_rows(k_all, rows, k1[:, :, None])
+            v_all = scatter_rows(v_all, rows, v1[:, :, None])
             k_layer = jax.lax.dynamic_index_in_dim(k_all, layer_id, keepdims=False)  # [B, K, S, H]
             v_layer = jax.lax.dynamic_index_in_dim(v_all, layer_id, keepdims=False)
             if compressed and not offloaded:

@@ -28,6 +28,7 @@ import numpy as np
 from jax.experimental.compute_on import compute_on
 
 from clusterkv_jax.attention import selected_attention
+from clusterkv_jax.cache import gather_rows, row_index, scatter_rows
 from clusterkv_jax.policies.common import recent_window
 
 
@@ -49,13 +50,24 @@ def _sharding(kind: str | None):
     return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind or "device")
 
 
+def _memory(kind: str | None):
+    """Where `device_put` sends an array to reach memory `kind`. pinned_host and device are memory spaces
+    (`jax.memory.Space`): the transfer keeps the array's sharding, so it works on one device and on a mesh
+    alike, in and out of jit. unpinned_host has no space; it goes to the first device (single device only)."""
+    if kind == "pinned_host":
+        return jax.memory.Space.Host
+    if kind in (None, "device"):
+        return jax.memory.Space.Device
+    return _sharding(kind)
+
+
 def to_host(x):
     kind = host_memory_kind()
-    return x if kind is None else jax.device_put(x, _sharding(kind))
+    return x if kind is None else jax.device_put(x, _memory(kind))
 
 
 def to_device(x):
-    return x if host_memory_kind() is None else jax.device_put(x, _sharding("device"))
+    return x if host_memory_kind() is None else jax.device_put(x, _memory("device"))
 
 
 def _on_host(fn, *args):
@@ -72,7 +84,7 @@ def host_zeros(shape, dtype):
     if kind is None:
         return jnp.zeros(shape, dtype)
     if isinstance(jnp.zeros(()), jax.core.Tracer):  # inside jit: a staged transfer keeps the host type
-        return jax.device_put(jnp.zeros(shape, dtype), _sharding(kind))
+        return jax.device_put(jnp.zeros(shape, dtype), _memory(kind))
     return jax.device_put(np.zeros(shape, dtype), _sharding(kind))  # eager: straight from host memory
 
 
@@ -120,24 +132,20 @@ def write_prefill(host_k, host_v, host_layer, k_bkth, v_bkth):
     return _on_host(write, host_k, k_h, layer_h), _on_host(write, host_v, v_h, layer_h)
 
 
-def _flat_rows(host_k, host_layer, ids):
-    """Row numbers into the host store viewed as [Lc * B * K * S, H] for ids [B, K, n] of one host layer."""
-    _, B, K, S, _ = host_k.shape
-    base = ((host_layer * B + jnp.arange(B)[:, None]) * K + jnp.arange(K)[None, :]) * S  # [B, K]
-    return base[..., None] + ids  # [B, K, n]
+# Host rows are addressed per (sequence, KV head) with `cache.gather_rows` / `scatter_rows`, which treat B and
+# K as batching dimensions: the host store is never reshaped across B or K, so under a mesh each shard reads
+# and writes its own rows (no collective), and the host computation sees only a gather or scatter whose
+# operands are all in host memory already (the index arithmetic stays on the device).
 
 
 def _write_token(host_k, host_v, host_layer, positions, k_new, v_new):
     """Stores one token per sequence, k_new/v_new [B, K, H], at rows `positions` [B] of the host layer."""
-    Lc, B, K, S, H = host_k.shape
-    # Index arithmetic happens on the device; the host only sees a flat row scatter, whose operands must
-    # all be in host memory already.
-    rows = to_host(_flat_rows(host_k, host_layer, jnp.broadcast_to(positions[:, None, None], (B, K, 1))).reshape(-1))
-    k_h, v_h = to_host(k_new.reshape(B * K, H)), to_host(v_new.reshape(B * K, H))
+    _, B, K, _, _ = host_k.shape
+    index = to_host(row_index(jnp.broadcast_to(positions[:, None, None], (B, K, 1)), host_layer))
+    k_h, v_h = to_host(k_new[:, :, None]), to_host(v_new[:, :, None])  # [B, K, 1, H]
 
     def write(store, new):
-        flat = store.reshape(Lc * B * K * S, H)
-        return flat.at[rows].set(new.astype(store.dtype)).reshape(store.shape)
+        return scatter_rows(store, index, new)
 
     return _on_host(write, host_k, k_h), _on_host(write, host_v, v_h)
 
@@ -145,11 +153,11 @@ def _write_token(host_k, host_v, host_layer, positions, k_new, v_new):
 def host_gather(host_k, host_v, host_layer, ids):
     """Rows of the host layer at ids [B, h, n] (head n reads KV head n // (h // K)) -> device [B, h, n, H]."""
     B, h, n = ids.shape
-    Lc, _, K, S, H = host_k.shape
-    rows = to_host(_flat_rows(host_k, host_layer, ids.reshape(B, K, (h // K) * n)).reshape(-1))
+    _, _, K, _, H = host_k.shape
+    index = to_host(row_index(ids.reshape(B, K, (h // K) * n), host_layer))
 
     def gather(store):
-        return store.reshape(Lc * B * K * S, H)[rows]
+        return gather_rows(store, index)
 
     k = to_device(_on_host(gather, host_k))
     v = to_device(_on_host(gather, host_v))
@@ -233,10 +241,10 @@ def decode_layer(policy, state: Any, ost: OffloadState, q, k_new, v_new, host_k,
         moved = jnp.float32(B * host_k.shape[2] * S)
         ost = ost.replace(step=ost.step + 1, fetched=ost.fetched + moved)
         return decode_attention(q, k_all, v_all, lengths), state, ost, host_k, host_v
-    slot = old_lengths % W
-    b = jnp.arange(B)
-    ost = ost.replace(ring_k=ost.ring_k.at[b, :, slot].set(k_new.astype(ost.ring_k.dtype)),
-                      ring_v=ost.ring_v.at[b, :, slot].set(v_new.astype(ost.ring_v.dtype)))
+    K = k_new.shape[1]
+    slot = row_index(jnp.broadcast_to((old_lengths % W)[:, None, None], (B, K, 1)))
+    ost = ost.replace(ring_k=scatter_rows(ost.ring_k, slot, k_new[:, :, None]),
+                      ring_v=scatter_rows(ost.ring_v, slot, v_new[:, :, None]))
 
     def recent_keys():
         pos = policy.indexed_upto(state)[:, None] + jnp.arange(W)  # [B, W]

@@ -69,10 +69,12 @@ def rank_and_index(
     cum = jnp.cumsum(ranked_sizes, axis=-1)  # [..., C] inclusive prefix sums
     lead = scores.shape[:-1]
     j = jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), lead + (slots,))
-    # Slot j belongs to the first ranked cluster whose prefix sum exceeds j.
-    flat_cum = cum.reshape(-1, cum.shape[-1])
-    flat_j = j.reshape(-1, slots)
-    r = jax.vmap(lambda c, q: jnp.searchsorted(c, q, side="right"))(flat_cum, flat_j).reshape(j.shape)
+    # Slot j belongs to the first ranked cluster whose prefix sum exceeds j. Mapped over the leading dims
+    # without merging them, so B and heads keep their own mesh axes.
+    search = lambda c, q: jnp.searchsorted(c, q, side="right")
+    for _ in lead:
+        search = jax.vmap(search)
+    r = search(cum, j)
     C = sizes.shape[-1]
     r_clip = jnp.minimum(r, C - 1)
     before = jnp.take_along_axis(cum - ranked_sizes, r_clip, axis=-1)
@@ -166,10 +168,11 @@ class ClusterKV(IndexedPolicy):
         # [B, S] tokens to cluster: past the sinks, inside the prompt.
         valid = (pos[None, :] >= self.sinks) & (pos[None, :] < lengths[:, None])
         num_clusters = jnp.clip((lengths - self.sinks) // self.tokens_per_cluster, 1, C0).astype(jnp.int32)
+        # One problem per (sequence, KV head), kept as [B, K] leading dims (not merged: see kmeans).
         result = cosine_kmeans(
-            keys.reshape(B * K, S, H),
-            jnp.repeat(valid, K, axis=0),
-            jnp.repeat(num_clusters, K),
+            keys,
+            jnp.broadcast_to(valid[:, None], (B, K, S)),
+            jnp.broadcast_to(num_clusters[:, None], (B, K)),
             self._head_keys(B, K, salt=0),
             max_clusters=C0,
             max_iters=self.max_iters,
@@ -178,20 +181,20 @@ class ClusterKV(IndexedPolicy):
         )
         # Positions sorted by label; masked tokens (label C0) sort last.
         sorted_tokens = jnp.argsort(result.labels, axis=-1, stable=True).astype(jnp.int32)
-        sizes = result.sizes.reshape(B, K, C0)
+        sizes = result.sizes
         return state.replace(
-            centroids=state.centroids.at[:, :, :C0].set(result.centroids.reshape(B, K, C0, H)),
+            centroids=state.centroids.at[:, :, :C0].set(result.centroids),
             sizes=state.sizes.at[:, :, :C0].set(sizes),
             starts=state.starts.at[:, :, :C0].set(_exclusive_cumsum(sizes)),
-            sorted_tokens=sorted_tokens.reshape(B, K, S),
+            sorted_tokens=sorted_tokens,
             clustered_upto=lengths.astype(jnp.int32),
             num_prompt_clusters=num_clusters,
         )
 
     def _head_keys(self, B: int, K: int, salt: int) -> jax.Array:
-        """[B*K, 2] PRNG keys that depend on the KV head only: a sequence clusters alike alone or in a batch."""
+        """[B, K, 2] PRNG keys that depend on the KV head only: a sequence clusters alike alone or in a batch."""
         per_head = problem_keys(jax.random.fold_in(jax.random.PRNGKey(self.seed), salt), K)
-        return jnp.tile(per_head, (B, 1))
+        return jnp.broadcast_to(per_head[None], (B,) + per_head.shape)
 
     def _scores(self, state: ClusterIndex, q):
         B, N, H = q.shape
@@ -244,17 +247,17 @@ class ClusterKV(IndexedPolicy):
         Cp = self.decode_clusters
         start = state.clustered_upto  # [B]
         result = cosine_kmeans(
-            recent.reshape(B * K, W, H),
-            jnp.ones((B * K, W), bool),
-            jnp.full((B * K,), Cp, jnp.int32),
+            recent,
+            jnp.ones((B, K, W), bool),
+            jnp.full((B, K), Cp, jnp.int32),
             self._head_keys(B, K, salt=1),
             max_clusters=Cp,
             max_iters=self.max_iters,
             init=self.init,
             kernel=self.kernel,
         )
-        order = jnp.argsort(result.labels, axis=-1, stable=True).reshape(B, K, W)
-        sizes = result.sizes.reshape(B, K, Cp)
+        order = jnp.argsort(result.labels, axis=-1, stable=True)
+        sizes = result.sizes
         # Where the new clusters and their members go: after the prompt clusters and earlier decode groups.
         C0 = self.prompt_cluster_slots(S)
         n_groups = (start - prompt_lengths) // W  # [B] decode groups already clustered
@@ -272,7 +275,7 @@ class ClusterKV(IndexedPolicy):
             )
 
         cur = (state.centroids, state.sizes, state.starts, state.sorted_tokens)
-        new = jax.vmap(write)(cur, sizes, result.centroids.reshape(B, K, Cp, H), order, slot, member_offset, start)
+        new = jax.vmap(write)(cur, sizes, result.centroids, order, slot, member_offset, start)
         pick = lambda n, o: jnp.where(due.reshape((B,) + (1,) * (o.ndim - 1)), n, o)
         centroids, sizes_all, starts, sorted_tokens = (pick(n, o) for n, o in zip(new, cur))
         return state.replace(

@@ -10,6 +10,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from clusterkv_jax.ops import top_k_indices
+
 from clusterkv_jax.policies.base import StatelessPolicy
 from clusterkv_jax.policies.common import attend_to_indices, expand_heads, recent_window
 
@@ -45,7 +47,7 @@ class OracleTopK(StatelessPolicy):
         scores = jnp.einsum("BKGH,BKSH->BKGS", qg, keys, preferred_element_type=jnp.float32).reshape(B, N, S)
         in_prompt = jnp.arange(S)[None, None, :] < prompt_lengths[:, None, None]  # [B, 1, S]
         scores = jnp.where(in_prompt, scores, -jnp.inf)
-        _, idx = jax.lax.top_k(scores, min(self.budget, S))  # [B, N, M]
+        idx = top_k_indices(scores, min(self.budget, S))  # [B, N, M]
         # Finite prompt scores rank above the -inf padding, so only slots past the prompt are masked.
         return idx, idx < prompt_lengths[:, None, None]
 

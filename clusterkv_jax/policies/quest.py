@@ -16,6 +16,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from clusterkv_jax.ops import top_k_indices
+
 from clusterkv_jax.policies.base import IndexedPolicy
 
 
@@ -145,7 +147,7 @@ class Quest(IndexedPolicy):
         B, N, _ = q.shape
         P, ps = state.kmin.shape[2], self.page_size
         n_pages = min(self.budget // ps, P)
-        _, top = jax.lax.top_k(self.page_scores(state, q), n_pages)  # [B, N, n_pages]
+        top = top_k_indices(self.page_scores(state, q), n_pages)  # [B, N, n_pages]
         start = jnp.take_along_axis(jnp.broadcast_to(state.page_start[:, None, :], (B, N, P)), top, axis=2)
         plen = jnp.take_along_axis(jnp.broadcast_to(state.page_len[:, None, :], (B, N, P)), top, axis=2)
         offsets = jnp.arange(ps, dtype=jnp.int32)

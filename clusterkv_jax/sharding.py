@@ -1,0 +1,334 @@
+"""Multiple devices with JAX's own SPMD (GSPMD): a ("data", "model") mesh, batch on "data", KV heads on "model".
+
+Nothing here changes the math. Parameters and the KV cache get `NamedSharding`s, `generate` (or your own loop
+over `prefill` / `decode_step` with `sharding=`) pins the cache to them inside the jit, and XLA partitions the
+rest. Each (sequence, KV head) problem is independent, so prefill attention, K-means, cluster selection, the
+selected attention and the host-offloaded KV all run per shard; the only collectives are the Megatron ones
+(an all-reduce after the attention output projection and after the MLP down projection) and the logits.
+
+What each array gets (`data` / `model` are the mesh axes; "-" is replicated):
+
+| array | spec |
+|---|---|
+| embed, lm_head, norms, o_bias | replicated |
+| q / k / v [L, D, heads, H], their biases | heads on model |
+| o [L, N, H, D] | N on model |
+| gate / up [L, D, F], down [L, F, D] | F on model |
+| cache k / v [L, B, K, S, H] | (-, data, model, -, -) |
+| lengths, prompt_lengths [B] | (data) |
+| policy state and offload state leaves | the B dim on data, the KV / selection-head dim on model |
+| host_k / host_v [Lc, B, K, S, H] | (-, data, model, -, -), memory kind pinned_host |
+
+Which dims of a policy's state are B and heads is found by tracing `init_cache` at two batch sizes and two
+head counts (so custom policies work unchanged): a dim that follows the batch size is sharded on "data", a
+dim that follows the KV or query head count on "model"; anything else is replicated.
+
+Fallbacks (results never change, only the layout): when the query or the KV heads do not divide the "model"
+axis (SmolLM2: 9 / 3 heads), attention weights, the KV cache and the policy state are replicated over
+"model" for the whole model (a warning says so once); the MLP is still split over F if F divides it. When
+the batch does not divide "data", `generate` pads it with copies of the first prompt and drops them from
+the results; `init_cache_sharded` and `sharding_rules` replicate over "data" instead (with a warning).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import warnings
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from clusterkv_jax.cache import KVCache, init_cache
+from clusterkv_jax.config import ModelConfig
+
+AXES = ("data", "model")
+_warned: set = set()
+
+
+def _warn_once(key, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=3)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Meshes
+# ----------------------------------------------------------------------------------------------------------
+
+
+def parse_mesh(spec: str | Mapping[str, int]) -> dict[str, int]:
+    """"data=2,model=2" (or a dict) -> {"data": 2, "model": 2}; an axis left out has size 1."""
+    if isinstance(spec, Mapping):
+        items = list(spec.items())
+    else:
+        if not isinstance(spec, str) or not spec.strip():
+            raise ValueError(f"mesh spec must look like 'data=2,model=2', got {spec!r}")
+        items = []
+        for part in spec.split(","):
+            name, eq, size = part.partition("=")
+            if not eq:
+                raise ValueError(f"mesh spec {spec!r}: {part.strip()!r} is not AXIS=SIZE (e.g. 'data=2,model=2')")
+            items.append((name.strip(), size.strip()))
+    sizes = {a: 1 for a in AXES}
+    seen = set()
+    for name, size in items:
+        if name not in AXES:
+            raise ValueError(f"mesh spec {spec!r}: unknown axis {name!r}; the axes are 'data' and 'model'")
+        if name in seen:
+            raise ValueError(f"mesh spec {spec!r}: axis {name!r} given twice")
+        seen.add(name)
+        if isinstance(size, str):
+            ok = size.isdigit()
+        else:
+            ok = isinstance(size, (int, np.integer)) and not isinstance(size, bool)
+        if not ok or int(size) < 1:
+            raise ValueError(f"mesh spec {spec!r}: size of {name!r} must be an integer >= 1, got {size!r}")
+        sizes[name] = int(size)
+    return sizes
+
+
+def make_mesh(spec, devices=None) -> Mesh:
+    """A ("data", "model") mesh over `devices` (default: all of `jax.devices()`), whose sizes multiply to
+    the number of devices. `spec`: "data=2,model=2", a dict, a `Mesh` (which must have those two axes; it
+    is returned with Auto axes) or `ShardingRules` (its mesh)."""
+    if isinstance(spec, ShardingRules):
+        return spec.mesh
+    if isinstance(spec, Mesh):
+        if tuple(spec.axis_names) != AXES:
+            raise ValueError(f"mesh axes must be {AXES}, got {tuple(spec.axis_names)}")
+        if all(t == AxisType.Auto for t in spec.axis_types):
+            return spec
+        return Mesh(spec.devices, AXES, axis_types=(AxisType.Auto,) * 2)
+    sizes = parse_mesh(spec)
+    devices = list(jax.devices() if devices is None else devices)
+    need = sizes["data"] * sizes["model"]
+    if need != len(devices):
+        text = ",".join(f"{a}={sizes[a]}" for a in AXES)
+        hint = ""
+        if devices and devices[0].platform == "cpu":
+            hint = (f"; on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count={need} before JAX starts "
+                    f"(before the first `import jax` touches a device)")
+        platform = devices[0].platform if devices else "none"
+        raise ValueError(f"mesh {text} needs data*model = {need} devices, but {len(devices)} "
+                         f"{'is' if len(devices) == 1 else 'are'} available ({platform}){hint}")
+    grid = np.array(devices, dtype=object).reshape(sizes["data"], sizes["model"])
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * 2)
+
+
+def request_host_devices(spec: str | Mapping[str, int]) -> None:
+    """Asks XLA for data*model CPU devices (appends --xla_force_host_platform_device_count to XLA_FLAGS
+    unless it is set). Only works before JAX has started its backends (the first `jax.devices()` or array);
+    GPU and TPU device counts are unaffected."""
+    import os
+
+    sizes = parse_mesh(spec)
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        n = sizes["data"] * sizes["model"]
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def policy_for_mesh(policy, mesh):
+    """The policy to run on `mesh`. The Pallas kernels are custom calls that XLA's partitioner cannot split
+    (it would gather their operands onto every device), so on a mesh of more than one device a ClusterKV
+    whose kernels resolve to "pallas" runs the reference (pure JAX) path instead, with a warning once."""
+    mesh = make_mesh(mesh)
+    if mesh.size > 1 and hasattr(policy, "kernels") and getattr(policy, "kernel", None) == "pallas":
+        _warn_once(("pallas", type(policy).__name__),
+                   f"{type(policy).__name__}: the Pallas kernels cannot be partitioned over a mesh; using "
+                   f"kernels='reference' (pure JAX, sharded by XLA) on {dict(mesh.shape)}")
+        return dataclasses.replace(policy, kernels="reference")
+    return policy
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Rules: which mesh axis each logical dimension uses for one (model, batch size)
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRules:
+    """Hashable (a static argument of `jax.jit`): the mesh, and the axis (or None: replicated) used for the
+    batch, the attention heads (query and KV heads together) and the MLP width."""
+
+    mesh: Mesh
+    batch: str | None
+    heads: str | None
+    mlp: str | None
+
+    def named(self, spec: P, memory_kind: str | None = None) -> NamedSharding:
+        return NamedSharding(self.mesh, spec, memory_kind=memory_kind)
+
+
+def sharding_rules(config: ModelConfig, mesh: Mesh | str | Mapping[str, int], batch_size: int | None = None,
+                   ) -> ShardingRules:
+    """The rules for `config` on `mesh`, batch sizes not dividing "data" replicated over it (warned)."""
+    mesh = make_mesh(mesh)
+    data, model = mesh.shape["data"], mesh.shape["model"]
+    heads = "model"
+    if config.num_heads % model or config.num_kv_heads % model:
+        heads = None
+        if model > 1:
+            _warn_once(("heads", config.num_heads, config.num_kv_heads, model),
+                       f"{config.num_heads} query / {config.num_kv_heads} KV heads do not divide the mesh axis "
+                       f"model={model}: attention weights, the KV cache and the policy state are replicated "
+                       f"over 'model' (the MLP is still split there when its width divides it)")
+    mlp = "model" if config.intermediate_size % model == 0 else None
+    if mlp is None and model > 1:
+        _warn_once(("mlp", config.intermediate_size, model),
+                   f"intermediate_size={config.intermediate_size} does not divide model={model}: MLP replicated")
+    batch = "data"
+    if batch_size is not None and batch_size % data:
+        batch = None
+        _warn_once(("batch", batch_size, data),
+                   f"batch {batch_size} does not divide the mesh axis data={data}: replicated over 'data' "
+                   f"(generate() pads the batch instead)")
+    return ShardingRules(mesh=mesh, batch=batch, heads=heads, mlp=mlp)
+
+
+def _as_rules(config, mesh_or_rules, batch_size=None) -> ShardingRules:
+    if isinstance(mesh_or_rules, ShardingRules):
+        return mesh_or_rules
+    return sharding_rules(config, mesh_or_rules, batch_size)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Parameters
+# ----------------------------------------------------------------------------------------------------------
+
+
+def param_specs(config: ModelConfig, rules: ShardingRules) -> dict[str, Any]:
+    """PartitionSpecs in the layout of `model.param_shapes`: Megatron-style heads / MLP split on "model"."""
+    from clusterkv_jax.model import param_shapes
+
+    h, f = rules.heads, rules.mlp
+    by_name = {
+        "q": P(None, None, h, None), "k": P(None, None, h, None), "v": P(None, None, h, None),
+        "o": P(None, h, None, None),
+        "q_bias": P(None, h, None), "k_bias": P(None, h, None), "v_bias": P(None, h, None),
+        "gate": P(None, None, f), "up": P(None, None, f), "down": P(None, f, None),
+    }
+    shapes = param_shapes(config)
+    layers = {name: by_name.get(name, P()) for name in shapes["layers"]}
+    return {name: (layers if name == "layers" else P()) for name in shapes}
+
+
+def param_shardings(config: ModelConfig, mesh_or_rules) -> dict[str, Any]:
+    rules = _as_rules(config, mesh_or_rules)
+    return jax.tree.map(rules.named, param_specs(config, rules), is_leaf=lambda x: isinstance(x, P))
+
+
+def shard_params(params, config: ModelConfig, mesh) -> Any:
+    """Places `params` on `mesh` (a Mesh, a spec such as "data=2,model=2", or ShardingRules). Arrays that
+    already have their sharding are not copied."""
+    shardings = param_shardings(config, mesh)
+    return jax.tree.map(lambda x, s: x if getattr(x, "sharding", None) == s else jax.device_put(x, s),
+                        params, shardings)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The KV cache
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _cache_shapes(config, policy, batch_size, capacity, dtype):
+    return jax.eval_shape(lambda: init_cache(config, policy, batch_size, capacity, dtype))
+
+
+def cache_specs(config: ModelConfig, policy, batch_size: int, capacity: int, dtype, rules: ShardingRules,
+                ) -> KVCache:
+    """A KVCache of PartitionSpecs: the batch dim of every leaf on rules.batch, its head dim on rules.heads.
+
+    The dims are found by tracing `init_cache` again with batch + 1 and with twice the heads (query and KV
+    heads both doubled, so the grouping is unchanged): a dim equal to the batch size that follows it is the
+    batch dim; a dim equal to the KV or query head count that doubles with it is the head dim.
+    """
+    B, K, N = batch_size, config.num_kv_heads, config.num_heads
+    base = _cache_shapes(config, policy, B, capacity, dtype)
+    more_b = _cache_shapes(config, policy, B + 1, capacity, dtype)
+    wide = dataclasses.replace(config, num_heads=2 * N, num_kv_heads=2 * K)
+    more_k = _cache_shapes(wide, policy, B, capacity, dtype)
+
+    def spec(x, xb, xk):
+        dims: list[str | None] = [None] * len(x.shape)
+        batch_dim = head_dim = None
+        for i, (s, sb, sk) in enumerate(zip(x.shape, xb.shape, xk.shape)):
+            if batch_dim is None and s == B and sb == B + 1 and sk == s:
+                batch_dim = i
+            elif head_dim is None and s in (K, N) and sk == 2 * s and sb == s:
+                head_dim = i
+        if batch_dim is not None:
+            dims[batch_dim] = rules.batch
+        if head_dim is not None:
+            dims[head_dim] = rules.heads
+        return P(*dims)
+
+    return jax.tree.map(spec, base, more_b, more_k)
+
+
+def cache_shardings(config: ModelConfig, policy, batch_size: int, capacity: int, dtype, mesh) -> KVCache:
+    """A KVCache of NamedShardings; host_k / host_v keep the host memory kind (pinned_host)."""
+    from clusterkv_jax import offload
+
+    rules = _as_rules(config, mesh, batch_size)
+    specs = cache_specs(config, policy, batch_size, capacity, dtype, rules)
+    shardings = jax.tree.map(rules.named, specs, is_leaf=lambda x: isinstance(x, P))
+    if specs.host_k is not None:
+        kind = offload.host_memory_kind()
+        if kind not in (None, "pinned_host"):
+            raise NotImplementedError(
+                f"host offload on a mesh needs the pinned_host memory kind; {jax.devices()[0].platform} only "
+                f"has {kind}. Use offload=False, or no mesh")
+        kind = kind or "device"
+        shardings = shardings.replace(host_k=rules.named(specs.host_k, kind), host_v=rules.named(specs.host_v, kind))
+    return shardings
+
+
+def constrain_cache(cache: KVCache, shardings: KVCache) -> KVCache:
+    """Inside jit: pins every cache leaf to its sharding (host leaves by a transfer that keeps them on the host)."""
+    def pin(x, s):
+        if s.memory_kind not in (None, "device"):
+            return jax.device_put(x, s)
+        return jax.lax.with_sharding_constraint(x, s)
+
+    return jax.tree.map(pin, cache, shardings)
+
+
+def init_cache_sharded(config: ModelConfig, policy, batch_size: int, capacity: int, dtype=jnp.bfloat16,
+                       mesh=None) -> KVCache:
+    """`init_cache`, created directly in its shards (no full-size copy on one device) on `mesh` (a Mesh, a
+    spec string or ShardingRules). For your own loop over `prefill` / `decode_step`: pass them
+    `sharding=sharding_rules(config, mesh, batch_size)` so the cache they return keeps this layout."""
+    if mesh is None:
+        raise ValueError("init_cache_sharded needs a mesh; use init_cache without one")
+    shardings = cache_shardings(config, policy, batch_size, capacity, dtype, mesh)
+    make = jax.jit(lambda: init_cache(config, policy, batch_size, capacity, dtype), out_shardings=shardings)
+    return make()
+
+
+def shard_batch(x, mesh_or_rules):
+    """Places a batch-leading array (tokens [B, T], lengths [B], ...) on the mesh with its batch dim on
+    "data" (replicated when B does not divide it, or when the rules replicate the batch)."""
+    mesh = make_mesh(mesh_or_rules)
+    batch = "data" if np.shape(x)[0] % mesh.shape["data"] == 0 else None
+    if isinstance(mesh_or_rules, ShardingRules) and mesh_or_rules.batch is None:
+        batch = None
+    return jax.device_put(x, NamedSharding(mesh, P(batch, *([None] * (np.ndim(x) - 1)))))
+
+
+def padded_batch(batch_size: int, mesh) -> int:
+    """The batch size `generate` runs on `mesh`: rounded up to a multiple of the "data" axis."""
+    data = make_mesh(mesh).shape["data"]
+    return math.ceil(batch_size / data) * data
+
+
+@functools.lru_cache(maxsize=256)
+def cached_cache_shardings(config: ModelConfig, policy, batch_size: int, capacity: int, dtype,
+                           rules: ShardingRules) -> KVCache:
+    """`cache_shardings`, memoised on its (hashable) arguments: the jitted steps call it while tracing."""
+    return cache_shardings(config, policy, batch_size, capacity, dtype, rules)

@@ -1,0 +1,202 @@
+"""Sharded runs for tests/test_sharding.py, in a process of its own with 4 CPU devices (the rest of the suite
+runs with one): `python -m tests.sharding_check OUT.json`. Needs XLA_FLAGS=--xla_force_host_platform_device_count=4
+set before JAX starts (the test sets it). Writes what it measured (tokens, shardings, the collectives in the
+compiled HLO); the assertions live in the test.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from clusterkv_jax import ClusterKV, FullKV, generate
+from clusterkv_jax import sharding as sh
+from clusterkv_jax.config import ModelConfig
+from clusterkv_jax.generate import Sampling, decode_step, generate_ids, prefill
+from clusterkv_jax.loading import Model
+from clusterkv_jax.model import init_params
+
+# 4 query / 2 KV heads: model=2 splits them. 6 / 3: it cannot (the fallback replicates them).
+CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
+                  num_kv_heads=2, head_dim=16)
+CFG_3KV = ModelConfig(vocab_size=128, hidden_size=48, intermediate_size=96, num_layers=3, num_heads=6,
+                      num_kv_heads=3, head_dim=8)
+# Budget 16 against prompts of 20-64 tokens: selection drops most of each prompt; 16 new tokens reach a
+# decode-time clustering (decode_interval 8).
+SMALL = dict(budget=16, sinks=4, tokens_per_cluster=8, decode_interval=8, decode_clusters=2, full_layers=1)
+POLICIES = {
+    "full": FullKV(),
+    "full_offload": FullKV(offload=True),
+    "clusterkv": ClusterKV(**SMALL),
+    "clusterkv_offload": ClusterKV(offload=True, **SMALL),
+}
+NEW = 16
+LENGTHS = [64, 23, 50, 37, 61, 30, 45, 20]  # one prompt bucket (64): `alone` compiles once per batch size
+MESH_SPEC = "data=2,model=2"
+
+
+def _model(config, seed):
+    params = init_params(config, jax.random.PRNGKey(seed))
+    # Projections 3x the std-0.02 init: attention is peaked enough that dropping tokens changes the output,
+    # and greedy margins (>= 4e-3 on these prompts) dwarf the rounding of sharded reductions (~1e-6).
+    scale = lambda path, x: x if re.search(r"norm|embed", jax.tree_util.keystr(path)) else 3.0 * x
+    return Model(config, jax.tree_util.tree_map_with_path(scale, params), tokenizer=None)
+
+
+def _prompts(n_lengths, seed):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 128, n).tolist() for n in n_lengths]
+
+
+def _sharding_report(x, want: NamedSharding) -> dict:
+    return {"ok": bool(x.sharding.is_equivalent_to(want, x.ndim)) and x.sharding.memory_kind == want.memory_kind,
+            "got": f"{x.sharding.spec} {x.sharding.memory_kind}", "want": f"{want.spec} {want.memory_kind}"}
+
+
+def _collectives(hlo: str) -> list[str]:
+    found = []
+    for line in hlo.splitlines():
+        kinds = "all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter"
+        m = re.search(rf"= (.+?) ({kinds})(?:-start)?\(", line)  # the shape may be a tuple (combined ops)
+        if m:
+            name = re.search(r'op_name="([^"]+)"', line)
+            found.append(f"{m.group(2)}|{m.group(1)}|{name.group(1) if name else ''}")
+    return found
+
+
+def main(out_path: str) -> None:
+    t0 = time.perf_counter()
+    mesh = sh.make_mesh(MESH_SPEC)
+    model = _model(CFG, 0)
+    prompts = _prompts(LENGTHS, 1)
+    res: dict = {"devices": len(jax.devices()), "tokens": {}, "shardings": {}}
+    kw = dict(stop_at_eos=False, return_cache=True)
+
+    # Sharded vs unsharded generation, four policies, a ragged batch of 8.
+    caches = {}
+    for name, policy in POLICIES.items():
+        plain = generate(model, prompts, NEW, policy=policy, **kw)
+        sharded = generate(model, prompts, NEW, policy=policy, mesh=mesh, **kw)
+        res["tokens"][name] = {"plain": plain.tokens, "sharded": sharded.tokens}
+        caches[name] = sharded.cache
+
+    # Each prompt alone (ClusterKV, offload on): unsharded B=1, and sharded (B=1 padded to data=2).
+    policy = POLICIES["clusterkv_offload"]
+    res["tokens"]["alone"] = {
+        "plain": [generate(model, p, NEW, policy=policy, stop_at_eos=False).tokens[0] for p in prompts],
+        "sharded": [generate(model, p, NEW, policy=policy, stop_at_eos=False, mesh=mesh).tokens[0] for p in prompts],
+    }
+
+    # Shardings of what came back, against specs written out here.
+    def named(*spec, kind="device"):
+        return NamedSharding(mesh, P(*spec), memory_kind=kind)
+
+    kv = named(None, "data", "model", None, None)
+    c = caches["clusterkv_offload"]
+    ps, ost = c.policy_state, c.offload_state
+    want = {
+        "cache.k": (c.k, kv), "cache.v": (c.v, kv),
+        "cache.lengths": (c.lengths, named("data")), "cache.prompt_lengths": (c.prompt_lengths, named("data")),
+        "cache.host_k": (c.host_k, named(None, "data", "model", None, None, kind="pinned_host")),
+        "cache.host_v": (c.host_v, named(None, "data", "model", None, None, kind="pinned_host")),
+        "clusterkv.centroids": (ps.centroids, named(None, "data", "model", None, None)),
+        "clusterkv.sizes": (ps.sizes, named(None, "data", "model", None)),
+        "clusterkv.starts": (ps.starts, named(None, "data", "model", None)),
+        "clusterkv.sorted_tokens": (ps.sorted_tokens, named(None, "data", "model", None)),
+        "clusterkv.clustered_upto": (ps.clustered_upto, named(None, "data")),
+        "offload.ring_k": (ost.ring_k, named(None, "data", "model", None, None)),
+        "offload.cache_ids": (ost.cache_ids, named(None, "data", "model", None, None)),  # [L, B, N, R, M]
+        "offload.cache_k": (ost.cache_k, named(None, "data", "model", None, None, None)),
+        "offload.step": (ost.step, named()),
+        "fullkv.k": (caches["full"].k, kv),
+    }
+    placed = model._sharded_params  # what generate placed and kept on the model
+    assert placed[0] is model.params
+    layers = placed[2]["layers"]
+    want.update({
+        "params.embed": (placed[2]["embed"], named()),
+        "params.q": (layers["q"], named(None, None, "model", None)),
+        "params.k": (layers["k"], named(None, None, "model", None)),
+        "params.o": (layers["o"], named(None, "model", None, None)),
+        "params.gate": (layers["gate"], named(None, None, "model")),
+        "params.down": (layers["down"], named(None, "model", None)),
+        "params.attn_norm": (layers["attn_norm"], named()),
+    })
+    res["shardings"] = {k: _sharding_report(x, s) for k, (x, s) in want.items()}
+    # A second call reuses the placed parameters (no new placement).
+    generate(model, prompts[:2], NEW, policy=POLICIES["full"], mesh=mesh, stop_at_eos=False)
+    res["params_reused"] = model._sharded_params[2] is placed[2]
+
+    # The benchmark path: shard_params + init_cache_sharded + jitted prefill / decode_step with sharding=.
+    policy = POLICIES["clusterkv_offload"]
+    B, cap = len(prompts), 128
+    rules = sh.sharding_rules(CFG, mesh, B)
+    params = sh.shard_params(model.params, CFG, mesh)
+    cache = sh.init_cache_sharded(CFG, policy, B, cap, jnp.float32, mesh)
+    res["shardings"]["init_cache_sharded.host_k"] = _sharding_report(
+        cache.host_k, named(None, "data", "model", None, None, kind="pinned_host"))
+    res["shardings"]["init_cache_sharded.centroids"] = _sharding_report(
+        cache.policy_state.centroids, named(None, "data", "model", None, None))
+    tokens = np.zeros((B, 64), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    logits, cache = prefill(params, sh.shard_batch(tokens, rules), sh.shard_batch(np.array(LENGTHS, np.int32), rules),
+                            cache, config=CFG, policy=policy, sharding=rules)
+    steps = [np.asarray(logits).argmax(-1)]
+    for _ in range(NEW - 1):
+        logits, cache = decode_step(params, jnp.asarray(steps[-1], jnp.int32), cache, config=CFG, policy=policy,
+                                    sharding=rules)
+        steps.append(np.asarray(logits).argmax(-1))
+    res["tokens"]["steps_loop"] = {"plain": res["tokens"]["clusterkv_offload"]["plain"],
+                                   "sharded": np.stack(steps, 1).tolist()}
+    res["shardings"]["decode_step.k"] = _sharding_report(cache.k, kv)
+    res["shardings"]["decode_step.host_k"] = _sharding_report(
+        cache.host_k, named(None, "data", "model", None, None, kind="pinned_host"))
+    res["shardings"]["decode_step.centroids"] = _sharding_report(
+        cache.policy_state.centroids, named(None, "data", "model", None, None))
+
+    # Collectives in the compiled program: ClusterKV with offload, and ClusterKV with gqa="shared".
+    res["collectives"] = {}
+    for name, policy in (("clusterkv_offload", POLICIES["clusterkv_offload"]),
+                         ("clusterkv_shared", ClusterKV(gqa="shared", **SMALL))):
+        lowered = generate_ids.lower(
+            params, sh.shard_batch(tokens, rules), sh.shard_batch(np.array(LENGTHS, np.int32), rules),
+            Sampling.make(), jax.random.PRNGKey(0), jnp.zeros((0,), jnp.int32), jnp.int32(0), config=CFG,
+            policy=policy, max_new_tokens=NEW, capacity=cap, cache_dtype=jnp.dtype(jnp.float32), sharding=rules)
+        res["collectives"][name] = _collectives(lowered.compile().as_text())
+    res["sizes"] = {"B": B, "T": 64, "D": CFG.hidden_size, "S": cap}
+
+    # Fallback: 3 KV heads on model=2 are replicated; a batch of 3 is padded to 4 for data=2.
+    model3 = _model(CFG_3KV, 2)
+    prompts3 = _prompts([40, 64, 27], 3)
+    res["fallback"] = {}
+    for name in ("full", "clusterkv_offload"):
+        plain = generate(model3, prompts3, NEW, policy=POLICIES[name], stop_at_eos=False)
+        sharded = generate(model3, prompts3, NEW, policy=POLICIES[name], mesh=mesh, stop_at_eos=False,
+                           return_cache=True)
+        c = sharded.cache
+        res["fallback"][name] = {
+            "plain": plain.tokens, "sharded": sharded.tokens, "cache_batch": c.k.shape[1],
+            "k": _sharding_report(c.k, named(None, "data", None, None, None)),
+            "q": _sharding_report(model3._sharded_params[2]["layers"]["q"], named()),
+            "gate": _sharding_report(model3._sharded_params[2]["layers"]["gate"], named(None, None, "model")),
+        }
+        if c.host_k is not None:
+            res["fallback"][name]["host_k"] = _sharding_report(
+                c.host_k, named(None, "data", None, None, None, kind="pinned_host"))
+            res["fallback"][name]["centroids"] = _sharding_report(c.policy_state.centroids, named(None, "data"))
+
+    res["seconds"] = time.perf_counter() - t0
+    with open(out_path, "w") as f:
+        json.dump(res, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
