@@ -133,14 +133,23 @@ def _timed(fn, *args):
 
 
 def real_prefill(params, config: ModelConfig, policy: KVPolicy, prompts: np.ndarray, capacity: int,
-                 dtype) -> tuple[KVCache, jax.Array, dict[str, float]]:
-    """Prefills prompts [B, T] (all of length T) -> (cache, first tokens [B], {prefill_s, prefill_compile_s})."""
+                 dtype, rules=None) -> tuple[KVCache, jax.Array, dict[str, float]]:
+    """Prefills prompts [B, T] (all of length T) -> (cache, first tokens [B], {prefill_s, prefill_compile_s}).
+    With sharding `rules` (clusterkv_jax.sharding) the cache and the batch are laid out on its mesh."""
     B, T = prompts.shape
     tokens = np.zeros((B, bucket_length(T)), np.int32)
     tokens[:, :T] = prompts
-    tokens, lengths = jnp.asarray(tokens), jnp.full((B,), T, jnp.int32)
-    cache = init_cache(config, policy, B, capacity, dtype)
-    exe, compile_s = _compiled(prefill, params, tokens, lengths, cache, config=config, policy=policy)
+    lengths = np.full((B,), T, np.int32)
+    if rules is None:
+        tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
+        cache = init_cache(config, policy, B, capacity, dtype)
+    else:
+        from clusterkv_jax import sharding as sh
+
+        tokens, lengths = sh.shard_batch(tokens, rules), sh.shard_batch(lengths, rules)
+        cache = sh.init_cache_sharded(config, policy, B, capacity, dtype, rules)
+    exe, compile_s = _compiled(prefill, params, tokens, lengths, cache, config=config, policy=policy,
+                               sharding=rules)
     (logits, cache), seconds = _timed(exe, params, tokens, lengths, cache)
     return cache, jnp.argmax(logits, -1).astype(jnp.int32), {"prefill_s": seconds, "prefill_compile_s": compile_s}
 
@@ -231,23 +240,36 @@ def bench_decode(
     prompt_fn: Callable[[int, int], np.ndarray] | None = None,
     synthetic_seed: int | None = None,
     bandwidth_Bps: float | None = None,
-    hf_fn: Callable[[np.ndarray, int], dict[str, float]] | None = None,
+    hf_model: Any = None,
+    mesh: Any = None,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Decode speed of every policy at every context (see the module docstring).
 
     prompt_fn(context, batch) -> token ids [batch, context] runs a real prefill; otherwise (synthetic) the
-    cache is filled by `synthetic_kv` with `synthetic_seed`. hf_fn(prompts, decode) times HF transformers'
-    decode of the same prompts when given.
+    cache is filled by `synthetic_kv` with `synthetic_seed`. With `hf_model` (see `bench_hf`), HF
+    transformers' full-KV decode of the same prompts runs too, interleaved with ours step by step. With a
+    `mesh` (clusterkv_jax.sharding) params, caches and batches are sharded on it (real prompts only).
     """
     if decode <= WARMUP_STEPS:
         raise ValueError(f"decode must be > {WARMUP_STEPS} (the warm-up steps), got {decode}")
     if "full" not in policies:
         raise ValueError("the policies must include 'full': every figure is a ratio to it")
     dtype = jax.tree_util.tree_leaves(params)[0].dtype
+    rules = None
+    if mesh is not None:
+        from clusterkv_jax import sharding as sh
+
+        if prompt_fn is None:
+            raise ValueError("--mesh needs a real --model (the synthetic cache is not sharded)")
+        policies = {name: sh.policy_for_mesh(p, mesh) for name, p in policies.items()}
+        rules = sh.sharding_rules(config, mesh, batch)
+        params = sh.shard_params(params, config, mesh)
     kv_itemsize = jnp.dtype(dtype).itemsize
     results: dict[str, Any] = {"contexts": {}, "decode": decode, "batch": batch, "dtype": str(jnp.dtype(dtype)),
-                               "bandwidth_Bps": bandwidth_Bps, "warmup_steps": WARMUP_STEPS}
+                               "bandwidth_Bps": bandwidth_Bps, "warmup_steps": WARMUP_STEPS,
+                               "mesh": None if mesh is None else dict(mesh.shape),
+                               "devices": mesh.size if mesh is not None else 1}
     from tqdm.auto import tqdm
 
     for context in contexts:
@@ -262,10 +284,11 @@ def bench_decode(
         bar = tqdm(policies.items(), desc=f"context {context}: prefill", disable=not progress, file=sys.stderr)
         for name, policy in bar:
             if prompts is not None:
-                cache, token, info = real_prefill(params, config, policy, prompts, capacity, dtype)
+                cache, token, info = real_prefill(params, config, policy, prompts, capacity, dtype, rules)
             else:
                 cache, token, info = synthetic_prefill(config, policy, kv, context, capacity, dtype)
-            step, compile_s = _compiled(decode_step, params, token, cache, config=config, policy=policy)
+            step, compile_s = _compiled(decode_step, params, token, cache, config=config, policy=policy,
+                                        sharding=rules)
             info["decode_compile_s"] = compile_s
             info["kv_bytes"] = kv_bytes(cache)
             info["tokens"] = [int(token[0])]  # sequence 0's greedy tokens: what was decoded, for checking
@@ -282,19 +305,28 @@ def bench_decode(
                     clustering[key_of] = clustering_seconds(config, key_of, keys, full_cache.lengths)
                 runs[name].info["clustering_s"] = clustering[key_of]
         del kv
+        hf = None
+        if hf_model is not None and prompts is not None:
+            from clusterkv_jax.bench_hf import HFDecoder
+
+            hf = HFDecoder(hf_model, prompts)
+            runs["hf-full"] = _Run(None, None, None, [], {"prefill_s": hf.prefill_s, "tokens": hf.tokens})
         bar = tqdm(range(decode), desc=f"context {context}: decode", disable=not progress, file=sys.stderr)
         names = list(runs)
         for i in bar:
             # Rotate the order so no policy always runs right after the same one.
             for name in names[i % len(names):] + names[: i % len(names)]:
                 run = runs[name]
+                if name == "hf-full":
+                    run.times.append(hf.step())
+                    continue
                 (logits, run.cache), seconds = _timed(run.step, params, run.token, run.cache)
                 run.times.append(seconds)
                 run.token = jnp.argmax(logits, -1).astype(jnp.int32)
                 run.info["tokens"].append(int(run.token[0]))
         row: dict[str, Any] = {}
         for name, run in runs.items():
-            policy = policies[name]
+            policy = policies.get(name)
             info = run.info
             step_s = statistics.median(run.times[WARMUP_STEPS:])
             info["decode_ms"] = 1e3 * step_s
@@ -305,18 +337,17 @@ def bench_decode(
             info["end_to_end_s"] = prefill_like + info["decode_total_s"]
             if info.get("clustering_s") is not None and info["prefill_s"]:
                 info["clustering_share_of_prefill"] = info["clustering_s"] / info["prefill_s"]
+            row[name] = info
+            if policy is None:  # HF transformers: no roofline of ours
+                continue
             recent = decode // 2 if isinstance(policy, IndexedPolicy) else 0
             info["step_bytes"] = step_bytes(config, params, policy, context, batch, recent, kv_itemsize)
             if bandwidth_Bps:
                 info["roofline_ms"] = 1e3 * info["step_bytes"]["total"] / bandwidth_Bps
                 info["x_roofline"] = info["decode_ms"] / info["roofline_ms"]
-            row[name] = info
         full_ms = row["full"]["decode_ms"]
         for info in row.values():
             info["speedup_vs_full"] = full_ms / info["decode_ms"]
-        if hf_fn is not None and prompts is not None:
-            row["hf-full"] = hf_fn(prompts, decode)
-            row["hf-full"]["speedup_vs_full"] = full_ms / row["hf-full"]["decode_ms"]
         results["contexts"][str(context)] = row
         if progress:
             print(format_decode_context(context, row), file=sys.stderr)
@@ -410,6 +441,8 @@ def format_decode_context(context: int, row: dict[str, Any]) -> str:
 def format_decode(results: dict[str, Any]) -> str:
     head = (f"decode: batch {results['batch']}, {results['decode']} steps (median after {results['warmup_steps']} "
             f"warm-up), {results['dtype']}")
+    if results.get("mesh"):
+        head += f", mesh {results['mesh']} over {results['devices']} devices"
     if results.get("bandwidth_Bps"):
         head += f", measured bandwidth {results['bandwidth_Bps'] / 1e9:.1f} GB/s"
     parts = [head] + [format_decode_context(int(c), row) for c, row in results["contexts"].items()]
@@ -469,6 +502,7 @@ def plot_decode(results: dict[str, Any], path: str, title: str) -> None:
     for ax, label in zip(axes, ["ms per decode step" if "decode" in results else "ms per call",
                                 "speed-up over full KV"]):
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
         ax.set_xlabel("context (tokens)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)

@@ -68,23 +68,39 @@ def hf_model_from_params(config: ModelConfig, params, dtype: str = "float32"):
     return model.eval()
 
 
+class HFDecoder:
+    """Greedy decode with HF's own KV cache, one step per call, so the benchmark can interleave it with ours."""
+
+    def __init__(self, model, prompts: np.ndarray):
+        import torch
+
+        self.model, self.torch = model, torch
+        ids = torch.from_numpy(np.asarray(prompts, np.int64))
+        self.batch = ids.shape[0]
+        with torch.inference_mode():
+            start = time.perf_counter()
+            out = model(input_ids=ids, use_cache=True)
+            self.prefill_s = time.perf_counter() - start
+        self.past, self.token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        self.tokens = [int(self.token[0, 0])]
+
+    def step(self) -> float:
+        """One decode step; returns its seconds."""
+        with self.torch.inference_mode():
+            start = time.perf_counter()
+            out = self.model(input_ids=self.token, past_key_values=self.past, use_cache=True)
+            seconds = time.perf_counter() - start
+        self.past, self.token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        self.tokens.append(int(self.token[0, 0]))
+        return seconds
+
+
 def hf_decode_times(model, prompts: np.ndarray, decode: int, warmup: int = 2) -> dict[str, float]:
-    """Greedy decode of prompts [B, T] with HF's own KV cache: prefill seconds and median ms per step."""
+    """Greedy decode of prompts [B, T]: prefill seconds and median ms per step (not interleaved)."""
     import torch
 
-    ids = torch.from_numpy(np.asarray(prompts, np.int64))
-    times = []
-    with torch.inference_mode():
-        start = time.perf_counter()
-        out = model(input_ids=ids, use_cache=True)
-        prefill_s = time.perf_counter() - start
-        past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-        for _ in range(decode):
-            start = time.perf_counter()
-            out = model(input_ids=token, past_key_values=past, use_cache=True)
-            times.append(time.perf_counter() - start)
-            past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    dec = HFDecoder(model, prompts)
+    times = [dec.step() for _ in range(decode)]
     step = statistics.median(times[warmup:])
-    B = ids.shape[0]
-    return {"prefill_s": prefill_s, "decode_ms": 1e3 * step, "decode_tokens_per_s": B / step,
-            "end_to_end_s": prefill_s + sum(times), "torch_threads": torch.get_num_threads()}
+    return {"prefill_s": dec.prefill_s, "decode_ms": 1e3 * step, "decode_tokens_per_s": dec.batch / step,
+            "end_to_end_s": dec.prefill_s + sum(times), "torch_threads": torch.get_num_threads()}

@@ -323,17 +323,22 @@ def cmd_bench_decode(args) -> int:
         raise ValueError("--layers applies to --synthetic geometries only")
     if args.batch < 1:
         raise ValueError(f"--batch must be >= 1, got {args.batch}")
+    mesh = None
+    if args.mesh:
+        from clusterkv_jax import sharding as sh
+
+        sh.request_host_devices(args.mesh)  # on CPU: before JAX starts its backends
+        mesh = sh.make_mesh(args.mesh)
     policies = make_policies(args.policies, args.budgets, offload_kv=args.offload, gqa=args.gqa)
     config, params, prompt_fn, label = _bench_model(args)
     bandwidth = measure_bandwidth()["bandwidth_Bps"]
-    hf_fn = None
+    hf_model = None
     if args.compare_hf:
-        from clusterkv_jax.bench_hf import hf_decode_times, hf_model_from_params
+        from clusterkv_jax.bench_hf import hf_model_from_params
 
         hf_model = hf_model_from_params(config, params, args.dtype)
-        hf_fn = lambda prompts, decode: hf_decode_times(hf_model, prompts, decode)
     results = bench_decode(params, config, policies, args.context, decode=args.decode, batch=args.batch,
-                           prompt_fn=prompt_fn, synthetic_seed=args.seed, bandwidth_Bps=bandwidth, hf_fn=hf_fn)
+                           prompt_fn=prompt_fn, synthetic_seed=args.seed, bandwidth_Bps=bandwidth, hf_model=hf_model, mesh=mesh)
     results["model"] = label
     results["offload"] = args.offload
     text = format_decode(results)
@@ -468,6 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument("--layers", type=int, default=None, help="--synthetic only: number of layers")
     dec.add_argument("--text", default=None, help="prompt text (default ../shared/data/pride_and_prejudice.txt)")
     dec.add_argument("--offload", action="store_true", help="keep KV in host memory (full, clusterkv, quest)")
+    dec.add_argument("--mesh", default=None, metavar="data=D,model=M", help="shard params, caches and batch "
+                     "over devices (see README, Multiple devices)")
     dec.add_argument("--compare-hf", action="store_true",
                      help="also time HF transformers' full-KV decode of the same weights (needs torch)")
     att = bench_parser("attention", "one layer's decode attention alone: full vs select + gather + attend",

@@ -34,11 +34,14 @@ def test_bench_decode_times_the_tokens_generate_produces():
     prompts = rng.integers(0, CFG.vocab_size, (2, 200)).astype(np.int32)
     policies = {"full": FullKV(), "clusterkv@32": ClusterKV(budget=32, **SMALL), "quest@32": Quest(budget=32, page_size=8)}
     results = bench_decode(PARAMS, CFG, policies, [120, 200], decode=20, batch=2,
-                           prompt_fn=lambda c, b: prompts[:b, :c], bandwidth_Bps=1e10, progress=False)
+                           prompt_fn=lambda c, b: prompts[:b, :c], bandwidth_Bps=1e10,
+                           hf_model=hf_model_from_params(CFG, PARAMS), progress=False)
     model = Model(config=CFG, params=PARAMS, tokenizer=None)
     for context in (120, 200):
         row = results["contexts"][str(context)]
-        assert set(row) == set(policies)
+        assert set(row) == set(policies) | {"hf-full"}
+        # HF transformers, interleaved step by step, decodes the same greedy tokens as our full KV.
+        assert row["hf-full"]["tokens"] == row["full"]["tokens"]
         for name, policy in policies.items():
             expected = generate(model, prompts[0, :context].tolist(), 21, policy=policy, stop_at_eos=False)
             assert row[name]["tokens"] == expected.tokens[0], (context, name)
@@ -145,3 +148,24 @@ def test_cli_bench_decode_and_attention_write_tables_and_plots(smollm2_converted
                  "--repeats", "2", "--out", str(out)]) == 0
     assert json.loads((out / "attention.json").read_text())["geometry"]["num_kv_heads"] == 3
     assert main(["bench", "decode", "--synthetic", "llama3-8b", "--compare-hf", "--layers", "1"]) == 2
+
+
+def test_cli_bench_decode_on_a_mesh_decodes_the_unsharded_tokens(smollm2_converted_dir, tmp_path):
+    """`--mesh data=2` (2 host devices, a subprocess) times the same greedy decoding as one device."""
+    import subprocess
+    import sys
+
+    tokens = {}
+    for name, extra in (("one", []), ("mesh", ["--mesh", "data=2"])):
+        out = tmp_path / name
+        cmd = [sys.executable, "-m", "clusterkv_jax.cli", "bench", "decode", "--model", smollm2_converted_dir,
+               "--context", "150", "--decode", "6", "--budgets", "48", "--policies", "full,clusterkv",
+               "--batch", "2", "--out", str(out), *extra]
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        data = json.loads((out / "decode.json").read_text())
+        tokens[name] = {p: r["tokens"] for p, r in data["contexts"]["150"].items()}
+        if extra:
+            assert data["mesh"] == {"data": 2, "model": 1} and data["devices"] == 2
+    assert tokens["mesh"] == tokens["one"]
