@@ -9,23 +9,17 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from clusterkv_jax.bench_decode import timed
 from clusterkv_jax.cache import init_cache, kv_bytes
 from clusterkv_jax.generate import bucket_length, cache_capacity, generate, prefill
 from clusterkv_jax.offload import hit_rates
 from clusterkv_jax.policies import ClusterKV, FullKV
-
-
-def _timed(fn, *args) -> float:
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    return time.perf_counter() - start
 
 
 def prefill_times(model, prompt_ids: list[int], policies: dict[str, Any], repeats: int = 3,
@@ -42,7 +36,7 @@ def prefill_times(model, prompt_ids: list[int], policies: dict[str, Any], repeat
     def run(policy):
         cache = init_cache(config, policy, 1, capacity, dtype)
         jax.block_until_ready(cache)
-        return _timed(lambda: prefill(model.params, tokens, lengths, cache, config=config, policy=policy))
+        return timed(lambda: prefill(model.params, tokens, lengths, cache, config=config, policy=policy))[1]
 
     first = {name: run(p) for name, p in policies.items()}
     samples: dict[str, list[float]] = {name: [] for name in policies}

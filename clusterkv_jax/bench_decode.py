@@ -126,7 +126,8 @@ def _compiled(fn, *args, **static):
     return exe, time.perf_counter() - start
 
 
-def _timed(fn, *args):
+def timed(fn, *args):
+    """(fn(*args) once ready, its wall seconds)."""
     start = time.perf_counter()
     out = jax.block_until_ready(fn(*args))
     return out, time.perf_counter() - start
@@ -150,7 +151,7 @@ def real_prefill(params, config: ModelConfig, policy: KVPolicy, prompts: np.ndar
         cache = sh.init_cache_sharded(config, policy, B, capacity, dtype, rules)
     exe, compile_s = _compiled(prefill, params, tokens, lengths, cache, config=config, policy=policy,
                                sharding=rules)
-    (logits, cache), seconds = _timed(exe, params, tokens, lengths, cache)
+    (logits, cache), seconds = timed(exe, params, tokens, lengths, cache)
     return cache, jnp.argmax(logits, -1).astype(jnp.int32), {"prefill_s": seconds, "prefill_compile_s": compile_s}
 
 
@@ -161,7 +162,8 @@ def synthetic_kv(key, config: ModelConfig, batch: int, context: int, capacity: i
     kc, ka, kn, kv = jax.random.split(key, 4)
     center = jax.random.normal(kc, (L, 1, K, centers, H))
     which = jax.random.randint(ka, (L, batch, K, capacity), 0, centers)
-    keys = jnp.take_along_axis(center, which[..., None], axis=3) + 0.5 * jax.random.normal(kn, (L, batch, K, capacity, H))
+    noise = jax.random.normal(kn, (L, batch, K, capacity, H))
+    keys = jnp.take_along_axis(center, which[..., None], axis=3) + 0.5 * noise
     values = jax.random.normal(kv, (L, batch, K, capacity, H))
     valid = (jnp.arange(capacity) < context)[None, None, None, :, None]
     return jnp.where(valid, keys, 0).astype(dtype), jnp.where(valid, values, 0).astype(dtype)
@@ -200,7 +202,7 @@ def synthetic_prefill(config: ModelConfig, policy: KVPolicy, kv, context: int, c
     lengths = jnp.full((B,), context, jnp.int32)
     cache = init_cache(config, policy, B, capacity, dtype)
     exe, compile_s = _compiled(index_prompt, keys, values, lengths, cache, config=config, policy=policy)
-    cache, seconds = _timed(exe, keys, values, lengths, cache)
+    cache, seconds = timed(exe, keys, values, lengths, cache)
     return cache, jnp.zeros((B,), jnp.int32), {"prefill_s": None, "prefill_compile_s": compile_s,
                                                "indexing_s": seconds}
 
@@ -211,7 +213,7 @@ def clustering_seconds(config: ModelConfig, policy: ClusterKV, keys: jax.Array, 
     state = jax.tree.map(lambda x: x[n:], policy.init_state(config, keys.shape[1], keys.shape[3]))
     fn = jax.jit(lambda s, k: jax.lax.map(lambda a: policy.after_prefill(a[0], a[1], lengths), (s, k)))
     exe, _ = _compiled(fn, state, keys[n:])
-    _, seconds = _timed(exe, state, keys[n:])
+    _, seconds = timed(exe, state, keys[n:])
     return seconds
 
 
@@ -320,7 +322,7 @@ def bench_decode(
                 if name == "hf-full":
                     run.times.append(hf.step())
                     continue
-                (logits, run.cache), seconds = _timed(run.step, params, run.token, run.cache)
+                (logits, run.cache), seconds = timed(run.step, params, run.token, run.cache)
                 run.times.append(seconds)
                 run.token = jnp.argmax(logits, -1).astype(jnp.int32)
                 run.info["tokens"].append(int(run.token[0]))
@@ -387,7 +389,7 @@ def bench_attention(config: ModelConfig, policies: dict[str, KVPolicy], contexts
             policy = dataclasses.replace(policy, full_layers=0)
             empty = jax.tree.map(lambda x: x[0], policy.init_state(one_layer, batch, capacity))
             index = jax.jit(lambda s, k, n, p=policy: p.after_prefill(s, k, n))
-            lay, index_s = _timed(_compiled(index, empty, k, lengths)[0], empty, k, lengths)
+            lay, index_s = timed(_compiled(index, empty, k, lengths)[0], empty, k, lengths)
             attend = jax.jit(lambda s, q, k, v, n, p=policy: p.decode_attention(s, q, k, v, n, n)[0])
             select = jax.jit(lambda s, q, k, n, p=policy: p.select(s, q, k, n, n))
             calls[name] = (_compiled(attend, lay, q, k, v, lengths)[0], (lay, q, k, v, lengths))
@@ -396,7 +398,7 @@ def bench_attention(config: ModelConfig, policies: dict[str, KVPolicy], contexts
         times: dict[str, list[float]] = {name: [] for name in calls}
         for i in range(repeats + 1):
             for name, (exe, args) in calls.items():
-                _, seconds = _timed(exe, *args)
+                _, seconds = timed(exe, *args)
                 if i:  # the first call of each warms up
                     times[name].append(seconds)
         row = {name: {"ms": 1e3 * statistics.median(ts)} for name, ts in times.items()}
@@ -456,7 +458,8 @@ def format_targets(results: dict[str, Any]) -> str:
     lines = []
     if "8000" in ctx and "1000" in ctx and "clusterkv@1024" in ctx["8000"]:
         ours, full1k, full8k = ctx["8000"]["clusterkv@1024"], ctx["1000"]["full"], ctx["8000"]["full"]
-        lines.append(f"- ClusterKV B=1024 at 8k / full KV at 1k decode step: {ours['decode_ms'] / full1k['decode_ms']:.2f}x "
+        lines.append(f"- ClusterKV B=1024 at 8k / full KV at 1k decode step: "
+                     f"{ours['decode_ms'] / full1k['decode_ms']:.2f}x "
                      f"(target <= 1.15x)")
         lines.append(f"- ClusterKV B=1024 speed-up over full KV at 8k: {full8k['decode_ms'] / ours['decode_ms']:.2f}x "
                      f"(target >= 1.8x)")
@@ -473,7 +476,8 @@ def format_targets(results: dict[str, Any]) -> str:
 
 def format_attention(results: dict[str, Any]) -> str:
     g = results["geometry"]
-    lines = [f"one layer's decode attention: {g['num_heads']} q heads, {g['num_kv_heads']} KV heads, d {g['head_dim']}, "
+    lines = [f"one layer's decode attention: {g['num_heads']} q heads, {g['num_kv_heads']} KV heads, "
+             f"d {g['head_dim']}, "
              f"batch {results['batch']}, {results['dtype']}",
              "| context | " + " | ".join(next(iter(results["contexts"].values()))) + " |"]
     lines.append("|---|" + "---|" * (lines[-1].count("|") - 2))
@@ -516,14 +520,7 @@ def plot_decode(results: dict[str, Any], path: str, title: str) -> None:
 
 def write_bench(results: dict[str, Any], out_dir: str, name: str, text: str, title: str) -> dict[str, str]:
     """NAME.json, NAME.md (the printed tables) and NAME.png in out_dir."""
-    import json
-    import os
+    from clusterkv_jax.eval.report import write_outputs
 
-    os.makedirs(out_dir, exist_ok=True)
-    paths = {ext: os.path.join(out_dir, f"{name}.{ext}") for ext in ("json", "md", "png")}
-    with open(paths["json"], "w") as f:
-        json.dump(results, f, indent=2)
-    with open(paths["md"], "w") as f:
-        f.write(f"# {title}\n\n{text}\n")
-    plot_decode(results, paths["png"], title)
-    return paths
+    return write_outputs(results, out_dir, name, f"# {title}\n\n{text}\n",
+                         lambda path: plot_decode(results, path, title))

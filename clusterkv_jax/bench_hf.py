@@ -6,7 +6,6 @@ the same weights in the same dtype; `tests/test_bench.py` checks that its logits
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Any
 
@@ -62,7 +61,8 @@ def hf_model_from_params(config: ModelConfig, params, dtype: str = "float32"):
     result = model.load_state_dict(state, strict=False)
     missing = [n for n in result.missing_keys if not (config.tie_word_embeddings and n == "lm_head.weight")]
     if missing or result.unexpected_keys:
-        raise ValueError(f"HF model parameters not matched: missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}")
+        raise ValueError(f"HF model parameters not matched: missing {missing[:3]}, "
+                         f"unexpected {result.unexpected_keys[:3]}")
     if config.tie_word_embeddings:
         model.tie_weights()
     return model.eval()
@@ -94,13 +94,3 @@ class HFDecoder:
         self.tokens.append(int(self.token[0, 0]))
         return seconds
 
-
-def hf_decode_times(model, prompts: np.ndarray, decode: int, warmup: int = 2) -> dict[str, float]:
-    """Greedy decode of prompts [B, T]: prefill seconds and median ms per step (not interleaved)."""
-    import torch
-
-    dec = HFDecoder(model, prompts)
-    times = [dec.step() for _ in range(decode)]
-    step = statistics.median(times[warmup:])
-    return {"prefill_s": dec.prefill_s, "decode_ms": 1e3 * step, "decode_tokens_per_s": dec.batch / step,
-            "end_to_end_s": dec.prefill_s + sum(times), "torch_threads": torch.get_num_threads()}

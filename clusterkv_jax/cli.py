@@ -313,9 +313,19 @@ def load_model_for_bench(args):
     return model
 
 
+def _report_bench(results, args, name: str, text: str, title: str) -> int:
+    """Prints a benchmark's tables and, with --out, writes NAME.json / .md / .png."""
+    from clusterkv_jax.bench_decode import write_bench
+
+    print(text)
+    if args.out:
+        paths = write_bench(results, args.out, name, text, title)
+        print("wrote " + ", ".join(paths.values()), file=sys.stderr)
+    return 0
+
+
 def cmd_bench_decode(args) -> int:
-    from clusterkv_jax.bench_decode import (bench_decode, format_decode, make_policies, measure_bandwidth,
-                                            write_bench)
+    from clusterkv_jax.bench_decode import bench_decode, format_decode, make_policies, measure_bandwidth
 
     if args.compare_hf and args.synthetic:
         raise ValueError("--compare-hf needs a real --model")
@@ -338,21 +348,17 @@ def cmd_bench_decode(args) -> int:
 
         hf_model = hf_model_from_params(config, params, args.dtype)
     results = bench_decode(params, config, policies, args.context, decode=args.decode, batch=args.batch,
-                           prompt_fn=prompt_fn, synthetic_seed=args.seed, bandwidth_Bps=bandwidth, hf_model=hf_model, mesh=mesh)
+                           prompt_fn=prompt_fn, synthetic_seed=args.seed, bandwidth_Bps=bandwidth, hf_model=hf_model,
+                           mesh=mesh)
     results["model"] = label
     results["offload"] = args.offload
-    text = format_decode(results)
-    print(text)
-    if args.out:
-        paths = write_bench(results, args.out, "decode", text, f"decode speed: {label}, batch {args.batch}")
-        print("wrote " + ", ".join(paths.values()), file=sys.stderr)
-    return 0
+    return _report_bench(results, args, "decode", format_decode(results), f"decode speed: {label}, batch {args.batch}")
 
 
 def cmd_bench_attention(args) -> int:
     import jax.numpy as jnp
 
-    from clusterkv_jax.bench_decode import bench_attention, format_attention, make_policies, write_bench
+    from clusterkv_jax.bench_decode import bench_attention, format_attention, make_policies
     from clusterkv_jax.config import ModelConfig, synthetic_config
 
     config = synthetic_config(args.synthetic) if args.synthetic else ModelConfig.from_dir(args.model)
@@ -361,12 +367,8 @@ def cmd_bench_attention(args) -> int:
                               repeats=args.repeats, seed=args.seed)
     label = args.synthetic or os.path.basename(os.path.normpath(args.model))
     results["model"] = label
-    text = format_attention(results)
-    print(text)
-    if args.out:
-        paths = write_bench(results, args.out, "attention", text, f"one layer's decode attention: {label}")
-        print("wrote " + ", ".join(paths.values()), file=sys.stderr)
-    return 0
+    return _report_bench(results, args, "attention", format_attention(results),
+                         f"one layer's decode attention: {label}")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,7 +15,7 @@ import torch
 
 from clusterkv_jax.bench_decode import (bench_attention, bench_decode, make_policies, step_bytes, synthetic_kv,
                                         synthetic_prefill)
-from clusterkv_jax.bench_hf import hf_decode_times, hf_model_from_params
+from clusterkv_jax.bench_hf import HFDecoder, hf_model_from_params
 from clusterkv_jax.config import ModelConfig, synthetic_config
 from clusterkv_jax.generate import decode_step, generate
 from clusterkv_jax.loading import Model
@@ -32,7 +32,8 @@ SMALL = dict(sinks=4, tokens_per_cluster=8, decode_interval=16, decode_clusters=
 def test_bench_decode_times_the_tokens_generate_produces():
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, CFG.vocab_size, (2, 200)).astype(np.int32)
-    policies = {"full": FullKV(), "clusterkv@32": ClusterKV(budget=32, **SMALL), "quest@32": Quest(budget=32, page_size=8)}
+    policies = {"full": FullKV(), "clusterkv@32": ClusterKV(budget=32, **SMALL),
+                "quest@32": Quest(budget=32, page_size=8)}
     results = bench_decode(PARAMS, CFG, policies, [120, 200], decode=20, batch=2,
                            prompt_fn=lambda c, b: prompts[:b, :c], bandwidth_Bps=1e10,
                            hf_model=hf_model_from_params(CFG, PARAMS), progress=False)
@@ -119,8 +120,8 @@ def test_hf_model_from_our_params_gives_our_logits(tie):
     with torch.no_grad():
         theirs = hf(torch.from_numpy(tokens)).logits.numpy()
     np.testing.assert_allclose(np.asarray(ours), theirs, atol=2e-4)
-    times = hf_decode_times(hf, tokens, 4)
-    assert times["decode_ms"] > 0
+    decoder = HFDecoder(hf, tokens)
+    assert decoder.step() > 0 and len(decoder.tokens) == 2
 
 
 def test_synthetic_geometries_and_bad_names():

@@ -43,16 +43,21 @@ def plot(tables: dict[str, dict[str, dict[str, float]]], path: str, title: str) 
     plt.close(fig)
 
 
-def write_report(results: dict[str, Any], out_dir: str, name: str, tables: dict[str, dict], title: str,
-                 fmt: str = "{:.3f}") -> dict[str, str]:
-    """Writes NAME.json, NAME.md and NAME.png into out_dir; returns their paths."""
+def write_outputs(results: dict[str, Any], out_dir: str, name: str, markdown: str, plot_to) -> dict[str, str]:
+    """Writes NAME.json (results), NAME.md (markdown) and NAME.png (plot_to(path)) into out_dir; returns paths."""
     os.makedirs(out_dir, exist_ok=True)
     paths = {ext: os.path.join(out_dir, f"{name}.{ext}") for ext in ("json", "md", "png")}
     with open(paths["json"], "w") as f:
         json.dump(results, f, indent=2)
     with open(paths["md"], "w") as f:
-        f.write(f"# {title}\n\n")
-        for metric, table in tables.items():
-            f.write(f"## {metric}\n\n{markdown_table(table, fmt)}\n\n")
-    plot(tables, paths["png"], title)
+        f.write(markdown)
+    plot_to(paths["png"])
     return paths
+
+
+def write_report(results: dict[str, Any], out_dir: str, name: str, tables: dict[str, dict], title: str,
+                 fmt: str = "{:.3f}") -> dict[str, str]:
+    """An evaluation's NAME.json, NAME.md (a table per metric) and NAME.png (policy curves) in out_dir."""
+    markdown = f"# {title}\n\n" + "".join(
+        f"## {metric}\n\n{markdown_table(table, fmt)}\n\n" for metric, table in tables.items())
+    return write_outputs(results, out_dir, name, markdown, lambda path: plot(tables, path, title))
