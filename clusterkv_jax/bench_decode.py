@@ -45,8 +45,9 @@ WARMUP_STEPS = 2
 
 
 def make_policies(names: list[str], budgets: list[int], offload_kv: bool = False,
-                  **options: Any) -> dict[str, KVPolicy]:
-    """{label: policy}: full KV once, every other policy at every budget ("clusterkv@1024")."""
+                  policy_options: dict[str, dict] | None = None) -> dict[str, KVPolicy]:
+    """{label: policy}: full KV once, every other policy at every budget ("clusterkv@1024"), each built with
+    its `policy_options[name]`."""
     from clusterkv_jax.eval.policies import make_policy
 
     policies: dict[str, KVPolicy] = {"full": FullKV(offload=offload_kv)}
@@ -54,7 +55,7 @@ def make_policies(names: list[str], budgets: list[int], offload_kv: bool = False
         if name == "full":
             continue
         for b in budgets:
-            extra = dict(options) if name == "clusterkv" else {}
+            extra = dict((policy_options or {}).get(name, {}))
             if offload_kv:
                 if name not in ("clusterkv", "quest"):
                     raise ValueError(f"--offload supports full, clusterkv and quest, not {name!r}")

@@ -139,7 +139,11 @@ def _eval_inputs(args):
 
 
 def _policy_options(args) -> dict:
-    return {"clusterkv": dict(gqa=args.gqa, init=args.init)}
+    """Per-policy constructor options from the flags a command has (--gqa, --init, --quest-sinks)."""
+    options = {"clusterkv": dict(gqa=args.gqa), "quest": dict(sinks=args.quest_sinks)}
+    if hasattr(args, "init"):
+        options["clusterkv"]["init"] = args.init
+    return options
 
 
 def _finish(results, args, name, tables, title, fmt="{:.3f}") -> int:
@@ -161,10 +165,10 @@ def cmd_eval_recall(args) -> int:
     from clusterkv_jax.eval.recall import run_recall
 
     model, ids = _eval_inputs(args)
-    options = _policy_options(args)["clusterkv"]
+    options = _policy_options(args)
     results = run_recall(model, ids, context=args.context, steps=args.steps, budgets=args.budgets,
-                         policy_names=args.policies, clusterkv_options=options)
-    results["clusterkv_options"] = options
+                         policy_names=args.policies, policy_options=options)
+    results["policy_options"] = options
     return _finish(results, args, "recall", {"top-B token recall": results["token_recall"],
                                              "attention-mass recall": results["mass_recall"]},
                    f"Recall, context {args.context}, {args.steps} steps")
@@ -339,7 +343,8 @@ def cmd_bench_decode(args) -> int:
 
         sh.request_host_devices(args.mesh)  # on CPU: before JAX starts its backends
         mesh = sh.make_mesh(args.mesh)
-    policies = make_policies(args.policies, args.budgets, offload_kv=args.offload, gqa=args.gqa)
+    policies = make_policies(args.policies, args.budgets, offload_kv=args.offload,
+                             policy_options=_policy_options(args))
     config, params, prompt_fn, label = _bench_model(args)
     bandwidth = measure_bandwidth()["bandwidth_Bps"]
     hf_model = None
@@ -362,7 +367,7 @@ def cmd_bench_attention(args) -> int:
     from clusterkv_jax.config import ModelConfig, synthetic_config
 
     config = synthetic_config(args.synthetic) if args.synthetic else ModelConfig.from_dir(args.model)
-    policies = make_policies(args.policies, args.budgets, gqa=args.gqa)
+    policies = make_policies(args.policies, args.budgets, policy_options=_policy_options(args))
     results = bench_attention(config, policies, args.context, batch=args.batch, dtype=jnp.dtype(args.dtype),
                               repeats=args.repeats, seed=args.seed)
     label = args.synthetic or os.path.basename(os.path.normpath(args.model))
@@ -414,6 +419,8 @@ def build_parser() -> argparse.ArgumentParser:
         e.add_argument("--policies", type=parse_policies, default=parse_policies(policies))
         e.add_argument("--gqa", choices=["per_head", "shared"], default="per_head", help="ClusterKV's GQA mode")
         e.add_argument("--init", choices=["random", "kmeans++"], default="random", help="ClusterKV's K-means init")
+        e.add_argument("--quest-sinks", type=int, default=0, metavar="N",
+                       help="Quest: always select the pages of the first N tokens (0: none, as in the Quest paper)")
         e.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
         e.add_argument("--out", default=None, help="directory for NAME.json, NAME.md and NAME.png")
         if needs_text:
@@ -462,6 +469,8 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--budgets", type=_int_list, default=[512, 1024])
         b.add_argument("--policies", type=parse_policies, default=parse_policies(policies))
         b.add_argument("--gqa", choices=["per_head", "shared"], default="per_head", help="ClusterKV's GQA mode")
+        b.add_argument("--quest-sinks", type=int, default=0, metavar="N",
+                       help="Quest: always select the pages of the first N tokens (0: none, as in the Quest paper)")
         b.add_argument("--batch", type=int, default=1, help="sequences decoded together")
         b.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
         b.add_argument("--seed", type=int, default=0)

@@ -105,6 +105,7 @@ def np_quest_pages(prompt_len: int, length: int, ps: int) -> tuple[list[tuple[in
 @pytest.mark.parametrize("make", [
     lambda: Quest(budget=0), lambda: Quest(budget=-16), lambda: Quest(page_size=0),
     lambda: Quest(page_size=-4), lambda: Quest(budget=8, page_size=16), lambda: Quest(full_layers=-1),
+    lambda: Quest(sinks=-1), lambda: Quest(budget=32, page_size=16, sinks=33),
     lambda: StreamingLLM(budget=0), lambda: StreamingLLM(budget=8, sinks=16), lambda: StreamingLLM(sinks=-1),
     lambda: StreamingLLM(full_layers=-1), lambda: OracleTopK(budget=0), lambda: OracleTopK(full_layers=-2),
 ])
@@ -143,6 +144,29 @@ def test_quest_page_scores_and_top_pages_match_numpy():
                 top = np.argsort(-ref)[:n_top]
                 want = sorted(p for i in top for p in range(pages[i][0], pages[i][0] + pages[i][1]))
                 assert sorted(chosen[b][n]) == want, (layer, b, n)
+
+
+def test_quest_sinks_select_the_first_pages_then_the_top_scoring_ones():
+    """sinks=10 with pages of 8: pages 0 and 1 always, then the best of the rest by the NumPy bound; the selection
+    never repeats a page, and the sink pages are taken even when their bound is the lowest."""
+    quest = dataclasses.replace(QUEST, sinks=10)
+    ps, n_top, n_sink = quest.page_size, quest.budget // quest.page_size, 2
+    state, q, keys, lengths, prompt_lengths = layer_inputs(QUEST, CONFIG.num_layers - 1)
+    # Make the sink pages score lowest for every head: zero keys bound every q·k by 0, and every other page of
+    # these random keys has a positive bound.
+    kmin = state.kmin.at[:, :, :n_sink].set(0.0)
+    state = state.replace(kmin=kmin, kmax=state.kmax.at[:, :, :n_sink].set(0.0))
+    scores = np.asarray(quest.page_scores(state, q))  # [B, N, P]
+    chosen = selected_sets(*quest.select(state, q, keys, lengths, prompt_lengths))
+    plain = selected_sets(*QUEST.select(state, q, keys, lengths, prompt_lengths))
+    for b in range(3):
+        pages, _ = np_quest_pages(int(prompt_lengths[b]), int(lengths[b]), ps)
+        for n in range(CONFIG.num_heads):
+            rest = np.arange(n_sink, len(pages))
+            top = list(range(n_sink)) + list(rest[np.argsort(-scores[b, n, rest], kind="stable")][:n_top - n_sink])
+            want = sorted(p for i in top for p in range(pages[i][0], pages[i][0] + pages[i][1]))
+            assert sorted(chosen[b][n]) == want, (b, n)
+            assert not set(range(2 * ps)) <= set(plain[b][n]), "without sinks the low-scoring pages 0-1 are dropped"
 
 
 def test_streaming_selection_is_sinks_plus_recent():

@@ -24,7 +24,7 @@ def test_oracle_is_exact_and_full_budget_recalls_everything():
     ids = np.random.default_rng(0).integers(0, 128, 400).tolist()
     res = run_recall(_model(), ids, context=300, steps=3, budgets=[32, 512],
                      policy_names=["clusterkv", "quest", "streaming", "oracle"],
-                     clusterkv_options=dict(tokens_per_cluster=8, sinks=4), progress=False)
+                     policy_options={"clusterkv": dict(tokens_per_cluster=8, sinks=4)}, progress=False)
     for name in ("clusterkv", "quest", "streaming", "oracle"):
         assert abs(res["token_recall"][name]["512"] - 1.0) < 1e-6, name
         assert abs(res["mass_recall"][name]["512"] - 1.0) < 1e-5, name

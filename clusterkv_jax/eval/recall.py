@@ -121,7 +121,7 @@ def run_recall(
     steps: int,
     budgets: list[int],
     policy_names: list[str],
-    clusterkv_options: dict[str, Any] | None = None,
+    policy_options: dict[str, dict[str, Any]] | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Prefills `context` tokens, teacher-forces `steps` more, and scores every (policy, budget)."""
@@ -138,7 +138,7 @@ def run_recall(
 
     combos = [(n, b) for n in policy_names for b in budgets]
     probe = RecallProbe(
-        policies=tuple(make_policy(n, b, **(clusterkv_options if n == "clusterkv" else {}) or {}) for n, b in combos),
+        policies=tuple(make_policy(n, b, **(policy_options or {}).get(n, {})) for n, b in combos),
         budgets=tuple(b for _, b in combos),
     )
     config = model.config
