@@ -74,3 +74,37 @@ def selected_attention(q: jax.Array, k_sel: jax.Array, v_sel: jax.Array, mask: j
     # [B, N, M]
     scores = jnp.einsum("BNH,BNMH->BNM", q, k_sel, preferred_element_type=jnp.float32) / (H ** 0.5)
     return _softmax_weighted_sum(scores, mask, v_sel, "BNM,BNMH->BNH")
+
+
+def selection_and_window_attention(
+    q: jax.Array,  # [B, N, H]
+    k_sel: jax.Array,  # [B, h, M, H] selected rows; h = N (per query head) or K (shared by a KV head's G heads)
+    v_sel: jax.Array,  # [B, h, M, H]
+    sel_mask: jax.Array,  # [B, h, M]
+    k_win: jax.Array,  # [B, K, W, H] a window of rows every query head of the KV head attends
+    v_win: jax.Array,  # [B, K, W, H]
+    win_mask: jax.Array,  # [B, W]
+) -> jax.Array:
+    """One query per head over its selected rows and its KV head's window, one softmax over both -> [B, N, H]
+    (float32). Rows shared by the G query heads of a KV head are read once, not copied per query head."""
+    B, N, H = q.shape
+    K, W = k_win.shape[1], k_win.shape[2]
+    G, M = N // K, k_sel.shape[2]
+    qg = q.reshape(B, K, G, H)
+    per_query_head = k_sel.shape[1] == N
+    if per_query_head:
+        k_sel, v_sel = k_sel.reshape(B, K, G, M, H), v_sel.reshape(B, K, G, M, H)
+        sel_spec, sel_mask = "BKGMH", sel_mask.reshape(B, K, G, M)
+    else:
+        sel_spec, sel_mask = "BKMH", jnp.broadcast_to(sel_mask[:, :, None, :], (B, K, G, M))
+    # [B, K, G, M + W]
+    scores = jnp.concatenate([
+        jnp.einsum(f"BKGH,{sel_spec}->BKGM", qg, k_sel, preferred_element_type=jnp.float32),
+        jnp.einsum("BKGH,BKWH->BKGW", qg, k_win, preferred_element_type=jnp.float32)], axis=-1) / (H ** 0.5)
+    mask = jnp.concatenate([sel_mask, jnp.broadcast_to(win_mask[:, None, None, :], (B, K, G, W))], axis=-1)
+    probs = jax.nn.softmax(jnp.where(mask, scores, NEG_INF), axis=-1)
+    p_sel, p_win = probs[..., :M].astype(v_sel.dtype), probs[..., M:].astype(v_win.dtype)
+    # [B, K, G, H]
+    out = (jnp.einsum(f"BKGM,{sel_spec}->BKGH", p_sel, v_sel, preferred_element_type=jnp.float32)
+           + jnp.einsum("BKGW,BKWH->BKGH", p_win, v_win, preferred_element_type=jnp.float32))
+    return out.reshape(B, N, H)

@@ -56,7 +56,9 @@ def prefill(params, tokens, lengths, cache: KVCache, *, config: ModelConfig, pol
 @functools.partial(jax.jit, static_argnames=("config", "policy", "sharding"), donate_argnames=("cache",))
 def decode_step(params, tokens, cache: KVCache, *, config: ModelConfig, policy: KVPolicy, sharding=None):
     """tokens [B] -> (logits [B, V], cache with the tokens appended). The input cache is donated.
-    `sharding`: as for `prefill`."""
+    `sharding`: as for `prefill`. The caller keeps cache.lengths < cache.capacity (a traced length cannot
+    raise under jit; a full cache does not store the new token's KV): size it with `cache_capacity`, as
+    `generate` does."""
     cache = _pin_cache(cache, config, policy, sharding)
     logits, cache = forward_decode(params, config, policy, tokens, cache)
     return logits, _pin_cache(cache, config, policy, sharding)

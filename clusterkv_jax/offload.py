@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.compute_on import compute_on
 
-from clusterkv_jax.attention import selected_attention
+from clusterkv_jax.attention import selection_and_window_attention
 from clusterkv_jax.cache import gather_rows, row_index, scatter_rows
 from clusterkv_jax.policies.common import recent_window
 
@@ -220,11 +220,6 @@ def recall_rows(ost: OffloadState, idx, mask, host_k, host_v, host_layer, R: int
     return k, v, ost
 
 
-def _to_query_heads(x, N):
-    """[B, h, ...] -> [B, N, ...] repeating each KV head's rows for its query heads when h < N."""
-    return x if x.shape[1] == N else jnp.repeat(x, N // x.shape[1], axis=1)
-
-
 def decode_layer(policy, state: Any, ost: OffloadState, q, k_new, v_new, host_k, host_v, host_layer,
                  old_lengths, lengths, prompt_lengths):
     """One compressed layer's decode attention with the KV in host memory. Returns (out [B, N, H], state,
@@ -232,7 +227,7 @@ def decode_layer(policy, state: Any, ost: OffloadState, q, k_new, v_new, host_k,
     from clusterkv_jax.attention import decode_attention
     from clusterkv_jax.policies.full import FullKV
 
-    B, N, _ = q.shape
+    B = q.shape[0]
     W = ost.ring_k.shape[2]
     host_k, host_v = _write_token(host_k, host_v, host_layer, old_lengths, k_new, v_new)
     if isinstance(policy, FullKV):  # stream the whole layer to the device
@@ -257,10 +252,7 @@ def decode_layer(policy, state: Any, ost: OffloadState, q, k_new, v_new, host_k,
     ring_slots = (w_idx % W)[:, None, :, None]
     k_win = jnp.take_along_axis(ost.ring_k, ring_slots, axis=2)  # [B, K, W, H]
     v_win = jnp.take_along_axis(ost.ring_v, ring_slots, axis=2)
-    k_rows = jnp.concatenate([_to_query_heads(k_sel, N), _to_query_heads(k_win, N)], axis=2)
-    v_rows = jnp.concatenate([_to_query_heads(v_sel, N), _to_query_heads(v_win, N)], axis=2)
-    rows_mask = jnp.concatenate([_to_query_heads(mask, N), jnp.broadcast_to(w_mask[:, None], (B, N, W))], axis=2)
-    out = selected_attention(q, k_rows, v_rows, rows_mask)
+    out = selection_and_window_attention(q, k_sel, v_sel, mask, k_win, v_win, w_mask)
     return out, state, ost, host_k, host_v
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from clusterkv_jax.attention import selected_attention
+from clusterkv_jax.attention import selected_attention, selection_and_window_attention
 
 
 def gather_rows(store: jax.Array, idx: jax.Array) -> jax.Array:
@@ -40,6 +40,25 @@ def attend_to_indices(
         idx = jnp.repeat(idx, G, axis=1)
         mask = jnp.repeat(mask, G, axis=1)
     return selected_attention(q, gather_rows(keys, idx), gather_rows(values, idx), mask)
+
+
+def attend_to_indices_and_window(
+    q: jax.Array,  # [B, N, H]
+    keys: jax.Array,  # [B, K, S, H]
+    values: jax.Array,  # [B, K, S, H]
+    idx: jax.Array,  # [B, N, M] or [B, K, M] selected token positions
+    mask: jax.Array,  # same shape as idx
+    w_idx: jax.Array,  # [B, W] window positions, attended by every head
+    w_mask: jax.Array,  # [B, W]
+) -> jax.Array:
+    """Attention over each head's selection plus a window shared by all heads -> [B, N, H] (float32). Equals
+    `attend_to_indices` on the concatenated slots, but gathers a per-KV-head selection and the window once per
+    KV head instead of once per query head."""
+    rows = w_idx[:, None, :, None]  # [B, 1, W, 1]: the same rows for every KV head
+    k_win = jnp.take_along_axis(keys, rows, axis=2, mode="clip")  # [B, K, W, H]
+    v_win = jnp.take_along_axis(values, rows, axis=2, mode="clip")
+    return selection_and_window_attention(q, gather_rows(keys, idx), gather_rows(values, idx), mask,
+                                          k_win, v_win, w_mask)
 
 
 def recent_window(lengths: jax.Array, start: jax.Array, window: int) -> tuple[jax.Array, jax.Array]:
