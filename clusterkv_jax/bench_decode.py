@@ -92,8 +92,9 @@ def _param_bytes(params) -> int:
 def step_bytes(config: ModelConfig, params, policy: KVPolicy, context: int, batch: int, recent: int,
                kv_itemsize: int) -> dict[str, int]:
     """Bytes one decode step must read at `context` tokens: weights (the embedding table only when it is
-    also the LM head), the KV it attends (whole layers for full layers; for a selecting layer its budget plus
-    `recent` unindexed tokens per selection head), and the selection metadata (centroids or page bounds)."""
+    also the LM head), the KV it attends (whole layers for full layers; for a selecting layer its budget per
+    selection head plus `recent` unindexed tokens per KV head), and the selection metadata (centroids or page
+    bounds)."""
     c = config
     embed = params["embed"]
     weights = _param_bytes(params) - (0 if c.tie_word_embeddings else embed.nbytes - batch * embed[0].nbytes)
@@ -105,7 +106,8 @@ def step_bytes(config: ModelConfig, params, policy: KVPolicy, context: int, batc
     if selecting:
         heads = c.num_kv_heads if getattr(policy, "gqa", "per_head") == "shared" else c.num_heads
         budget = getattr(policy, "budget", context)
-        kv += selecting * batch * heads * (min(budget, context) + recent) * row
+        # Each selection head reads its budget; the window is read once per KV head (shared by its query heads).
+        kv += selecting * batch * (heads * min(budget, context) + c.num_kv_heads * recent) * row
         if isinstance(policy, ClusterKV):
             clusters = max(1, (context - policy.sinks) // policy.tokens_per_cluster)
             meta = selecting * batch * c.num_kv_heads * clusters * c.head_dim * 4

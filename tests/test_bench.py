@@ -92,7 +92,7 @@ def test_step_bytes_match_a_numpy_count():
     assert full == {"weights": weights, "kv": L * B * K * ctx * row, "metadata": 0,
                     "total": weights + L * B * K * ctx * row}
     ckv = step_bytes(CFG, PARAMS, ClusterKV(budget=64, full_layers=1, **SMALL), ctx, B, 10, 4)
-    kv = 1 * B * K * ctx * row + 3 * B * N * (64 + 10) * row
+    kv = 1 * B * K * ctx * row + 3 * B * (N * 64 + K * 10) * row
     assert ckv["kv"] == kv
     assert ckv["metadata"] == 3 * B * K * ((ctx - 4) // 8) * H * 4
 
