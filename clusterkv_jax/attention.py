@@ -64,18 +64,6 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
     return out.reshape(B, N, H)
 
 
-def selected_attention(q: jax.Array, k_sel: jax.Array, v_sel: jax.Array, mask: jax.Array) -> jax.Array:
-    """One query per head over a per-head selection of tokens.
-
-    q [B, N, H]; k_sel and v_sel [B, N, M, H] (the rows each query head attends to); mask [B, N, M].
-    Returns [B, N, H] (float32).
-    """
-    H = q.shape[-1]
-    # [B, N, M]
-    scores = jnp.einsum("BNH,BNMH->BNM", q, k_sel, preferred_element_type=jnp.float32) / (H ** 0.5)
-    return _softmax_weighted_sum(scores, mask, v_sel, "BNM,BNMH->BNH")
-
-
 def selection_and_window_attention(
     q: jax.Array,  # [B, N, H]
     k_sel: jax.Array,  # [B, h, M, H] selected rows; h = N (per query head) or K (shared by a KV head's G heads)

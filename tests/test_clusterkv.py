@@ -223,7 +223,7 @@ def test_kernel_switch_resolves_per_device():
 @pytest.mark.parametrize("per_query_head", [True, False])
 def test_selection_and_window_attention_matches_numpy(per_query_head):
     """One softmax over each head's selected rows and its KV head's window, against a NumPy loop per head."""
-    from clusterkv_jax.policies.common import attend_to_indices_and_window
+    from clusterkv_jax.policies.common import attend_to_indices
 
     rng = np.random.default_rng(3)
     B, N, K, S, H, M, W = 2, 6, 2, 40, 8, 7, 5
@@ -236,7 +236,7 @@ def test_selection_and_window_attention_matches_numpy(per_query_head):
     w_idx = rng.integers(0, S, (B, W)).astype(np.int32)
     w_mask = rng.random((B, W)) < 0.6
     w_mask[:, 0] = True  # every head attends at least one row
-    got = np.asarray(attend_to_indices_and_window(q, keys, values, idx, mask, w_idx, w_mask))
+    got = np.asarray(attend_to_indices(q, keys, values, idx, mask, w_idx, w_mask))
     want = np.zeros((B, N, H), np.float32)
     for b in range(B):
         for n in range(N):

@@ -97,7 +97,7 @@ class IndexedPolicy(KVPolicy):
         raise NotImplementedError
 
     def decode_attention(self, state, q, keys, values, lengths, prompt_lengths):
-        from clusterkv_jax.policies.common import attend_to_indices_and_window, recent_window
+        from clusterkv_jax.policies.common import attend_to_indices, recent_window
 
         import jax.numpy as jnp
 
@@ -110,4 +110,4 @@ class IndexedPolicy(KVPolicy):
         state = self.index_recent(state, recent_keys, lengths, prompt_lengths)
         idx, mask = self.select(state, q, keys, lengths, prompt_lengths)
         w_idx, w_mask = recent_window(lengths, self.indexed_upto(state), W)
-        return attend_to_indices_and_window(q, keys, values, idx, mask, w_idx, w_mask), state
+        return attend_to_indices(q, keys, values, idx, mask, w_idx, w_mask), state

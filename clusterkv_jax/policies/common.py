@@ -8,55 +8,39 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from clusterkv_jax.attention import selected_attention, selection_and_window_attention
+from clusterkv_jax import cache
+from clusterkv_jax.attention import selection_and_window_attention
 
 
 def gather_rows(store: jax.Array, idx: jax.Array) -> jax.Array:
-    """Rows of store [B, K, S, H] at idx [B, N, M] (query head n reads KV head n // G) -> [B, N, M, H].
-
-    idx may also be [B, K, M] (one selection shared by a KV head's query heads): it is then broadcast.
-    """
-    B, K, S, H = store.shape
-    N, M = idx.shape[1], idx.shape[2]
-    G = N // K
-    # [B, K, G*M, 1]: each KV head's rows for all of its query heads at once.
-    flat = idx.reshape(B, K, G * M, 1)
-    rows = jnp.take_along_axis(store, flat, axis=2, mode="clip")  # [B, K, G*M, H]
-    return rows.reshape(B, N, M, H)
+    """Rows of store [B, K, S, H] at idx [B, h, M] -> [B, h, M, H]. With h = N query heads, head n reads KV
+    head n // G; with h = K each KV head reads its own rows once."""
+    B, K, _, H = store.shape
+    h, M = idx.shape[1], idx.shape[2]
+    # [B, K, (h // K) * M]: each KV head's rows for all of its selection heads at once, with B and K as batching
+    # dims of one gather (`cache.gather_rows`, which clamps out-of-range positions), so a sharded store is read
+    # shard by shard.
+    positions = idx.reshape(B, K, (h // K) * M)
+    return cache.gather_rows(store, cache.row_index(positions)).reshape(B, h, M, H)
 
 
 def attend_to_indices(
     q: jax.Array,  # [B, N, H]
     keys: jax.Array,  # [B, K, S, H]
     values: jax.Array,  # [B, K, S, H]
-    idx: jax.Array,  # [B, N, M] or [B, K, M] token positions
+    idx: jax.Array,  # [B, N, M] per query head, or [B, K, M] shared by a KV head's query heads
     mask: jax.Array,  # same shape as idx: which slots hold a real token
+    w_idx: jax.Array | None = None,  # [B, W] an optional window of positions every head attends
+    w_mask: jax.Array | None = None,  # [B, W]
 ) -> jax.Array:
-    """Attention of each query head over its selected tokens -> [B, N, H] (float32)."""
-    B, N, _ = q.shape
-    K = keys.shape[1]
-    if idx.shape[1] != N:  # a per-KV-head selection: every query head of the group uses it
-        G = N // K
-        idx = jnp.repeat(idx, G, axis=1)
-        mask = jnp.repeat(mask, G, axis=1)
-    return selected_attention(q, gather_rows(keys, idx), gather_rows(values, idx), mask)
-
-
-def attend_to_indices_and_window(
-    q: jax.Array,  # [B, N, H]
-    keys: jax.Array,  # [B, K, S, H]
-    values: jax.Array,  # [B, K, S, H]
-    idx: jax.Array,  # [B, N, M] or [B, K, M] selected token positions
-    mask: jax.Array,  # same shape as idx
-    w_idx: jax.Array,  # [B, W] window positions, attended by every head
-    w_mask: jax.Array,  # [B, W]
-) -> jax.Array:
-    """Attention over each head's selection plus a window shared by all heads -> [B, N, H] (float32). Equals
-    `attend_to_indices` on the concatenated slots, but gathers a per-KV-head selection and the window once per
-    KV head instead of once per query head."""
-    rows = w_idx[:, None, :, None]  # [B, 1, W, 1]: the same rows for every KV head
-    k_win = jnp.take_along_axis(keys, rows, axis=2, mode="clip")  # [B, K, W, H]
-    v_win = jnp.take_along_axis(values, rows, axis=2, mode="clip")
+    """Attention of each query head over its selected tokens (and the window), one softmax -> [B, N, H]
+    (float32). A per-KV-head selection and the window are gathered once per KV head, not per query head."""
+    if w_idx is None:
+        w_idx = jnp.zeros((q.shape[0], 0), jnp.int32)
+        w_mask = jnp.zeros((q.shape[0], 0), bool)
+    B, K = keys.shape[:2]
+    w_rows = jnp.broadcast_to(w_idx[:, None, :], (B, K, w_idx.shape[1]))  # the same rows for every KV head
+    k_win, v_win = gather_rows(keys, w_rows), gather_rows(values, w_rows)  # [B, K, W, H]
     return selection_and_window_attention(q, gather_rows(keys, idx), gather_rows(values, idx), mask,
                                           k_win, v_win, w_mask)
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from clusterkv_jax.ops import top_k_indices
 
 from clusterkv_jax.policies.base import StatelessPolicy
-from clusterkv_jax.policies.common import attend_to_indices, expand_heads, recent_window
+from clusterkv_jax.policies.common import attend_to_indices, recent_window
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,9 +53,6 @@ class OracleTopK(StatelessPolicy):
 
     def decode_attention(self, state, q, keys, values, lengths, prompt_lengths):
         idx, mask = self.select(state, q, keys, lengths, prompt_lengths)
-        S, N = keys.shape[2], q.shape[1]
         # The generated region [prompt_length, length) is bounded only by the capacity: S static slots.
-        w_idx, w_mask = recent_window(lengths, prompt_lengths, S)  # [B, S]
-        idx = jnp.concatenate([idx, expand_heads(w_idx, N)], axis=-1)
-        mask = jnp.concatenate([mask, expand_heads(w_mask, N)], axis=-1)
-        return attend_to_indices(q, keys, values, idx, mask), state
+        w_idx, w_mask = recent_window(lengths, prompt_lengths, keys.shape[2])  # [B, S]
+        return attend_to_indices(q, keys, values, idx, mask, w_idx, w_mask), state
