@@ -30,6 +30,19 @@ CAPACITY_MULTIPLE = 128
 # ----------------------------------------------------------------------------------------------------------
 
 
+def _in_mesh_scope(fn):
+    """Traces fn(..., sharding=ShardingRules) inside the rules' abstract mesh, so mesh-aware ops
+    (`ops.top_k_indices`) pick their partitionable form; without `sharding` nothing changes."""
+    @functools.wraps(fn)
+    def traced(*args, sharding=None, **kwargs):
+        if sharding is None:
+            return fn(*args, **kwargs)
+        with jax.sharding.use_abstract_mesh(sharding.mesh.abstract_mesh):
+            return fn(*args, sharding=sharding, **kwargs)
+
+    return traced
+
+
 def _pin_cache(cache: KVCache, config: ModelConfig, policy: KVPolicy, sharding) -> KVCache:
     """Inside jit, with ShardingRules: keeps every cache leaf in its mesh layout (see clusterkv_jax.sharding)."""
     if sharding is None:
@@ -43,6 +56,7 @@ def _pin_cache(cache: KVCache, config: ModelConfig, policy: KVPolicy, sharding) 
 
 @functools.partial(jax.jit, static_argnames=("config", "policy", "all_logits", "sharding"),
                    donate_argnames=("cache",))
+@_in_mesh_scope
 def prefill(params, tokens, lengths, cache: KVCache, *, config: ModelConfig, policy: KVPolicy,
             all_logits: bool = False, sharding=None):
     """tokens [B, T] right-padded, lengths [B] -> (logits [B, V] at each last prompt token, or [B, T, V]
@@ -54,6 +68,7 @@ def prefill(params, tokens, lengths, cache: KVCache, *, config: ModelConfig, pol
 
 
 @functools.partial(jax.jit, static_argnames=("config", "policy", "sharding"), donate_argnames=("cache",))
+@_in_mesh_scope
 def decode_step(params, tokens, cache: KVCache, *, config: ModelConfig, policy: KVPolicy, sharding=None):
     """tokens [B] -> (logits [B, V], cache with the tokens appended). The input cache is donated.
     `sharding`: as for `prefill`. The caller keeps cache.lengths < cache.capacity (a traced length cannot
@@ -126,6 +141,7 @@ def cache_capacity(bucket: int, max_new_tokens: int) -> int:
 @functools.partial(
     jax.jit, static_argnames=("config", "policy", "max_new_tokens", "capacity", "cache_dtype", "sharding")
 )
+@_in_mesh_scope
 def generate_ids(
     params,
     tokens: jax.Array,  # [B, T] right-padded prompts

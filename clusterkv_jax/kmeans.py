@@ -18,7 +18,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from clusterkv_jax.ops import top_k_indices
+from clusterkv_jax.ops import map_leading, top_k_indices
 
 _EPS = 1e-12
 
@@ -35,13 +35,6 @@ def _normalize(x: jax.Array) -> jax.Array:
     """Unit vectors along the last axis; zero vectors stay zero (no NaN)."""
     norm = jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True))
     return x / jnp.maximum(norm, _EPS)
-
-
-def _map_leading(fn, n: int):
-    """fn vmapped over n leading dims."""
-    for _ in range(n):
-        fn = jax.vmap(fn)
-    return fn
 
 
 def _assign(unit_keys, valid, directions, cluster_ok):
@@ -126,7 +119,7 @@ def init_random(keys: jax.Array, valid: jax.Array, C: int, rngs: jax.Array) -> j
     rngs holds one PRNG key per problem [P, 2], so a problem's seeds do not depend on the batch around it.
     """
     N = keys.shape[-2]
-    u = _map_leading(lambda r: jax.random.uniform(r, (N,)), rngs.ndim - 1)(rngs)  # [P, N]
+    u = map_leading(lambda r: jax.random.uniform(r, (N,)), rngs.ndim - 1)(rngs)  # [P, N]
     idx = top_k_indices(jnp.where(valid, u, -1.0 - u), C)  # valid keys first, in random order
     return jnp.take_along_axis(keys.astype(jnp.float32), idx[..., None], axis=-2)
 
@@ -151,7 +144,7 @@ def init_kmeans_plus_plus(keys: jax.Array, valid: jax.Array, C: int, rngs: jax.A
 
         return jax.lax.fori_loop(1, C, body, (seeds, best_sim))[0]
 
-    return _map_leading(one, valid.ndim - 1)(keys, valid, rngs)
+    return map_leading(one, valid.ndim - 1)(keys, valid, rngs)
 
 
 def problem_keys(seed_key: jax.Array, P: int) -> jax.Array:

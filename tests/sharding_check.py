@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from clusterkv_jax import ClusterKV, FullKV, generate
+from clusterkv_jax import ClusterKV, FullKV, Quest, generate
 from clusterkv_jax import sharding as sh
 from clusterkv_jax.config import ModelConfig
 from clusterkv_jax.generate import Sampling, decode_step, generate_ids, prefill
@@ -162,10 +162,12 @@ def main(out_path: str) -> None:
     res["shardings"]["decode_step.centroids"] = _sharding_report(
         cache.policy_state.centroids, named(None, "data", "model", None, None))
 
-    # Collectives in the compiled program: ClusterKV with offload, and ClusterKV with gqa="shared".
+    # Collectives in the compiled program: ClusterKV with offload, ClusterKV with gqa="shared", and Quest (its
+    # page ranking is a top-k on every decode step).
     res["collectives"] = {}
     for name, policy in (("clusterkv_offload", POLICIES["clusterkv_offload"]),
-                         ("clusterkv_shared", ClusterKV(gqa="shared", **SMALL))):
+                         ("clusterkv_shared", ClusterKV(gqa="shared", **SMALL)),
+                         ("quest", Quest(budget=16, page_size=4, full_layers=1))):
         lowered = generate_ids.lower(
             params, sh.shard_batch(tokens, rules), sh.shard_batch(np.array(LENGTHS, np.int32), rules),
             Sampling.make(), jax.random.PRNGKey(0), jnp.zeros((0,), jnp.int32), jnp.int32(0), config=CFG,

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from clusterkv_jax.kmeans import cosine_kmeans, problem_keys
+from clusterkv_jax.ops import map_leading
 from clusterkv_jax.policies.base import IndexedPolicy
 from clusterkv_jax.policies.common import expand_heads, sink_slots
 
@@ -71,10 +72,7 @@ def rank_and_index(
     j = jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), lead + (slots,))
     # Slot j belongs to the first ranked cluster whose prefix sum exceeds j. Mapped over the leading dims
     # without merging them, so B and heads keep their own mesh axes.
-    search = lambda c, q: jnp.searchsorted(c, q, side="right")
-    for _ in lead:
-        search = jax.vmap(search)
-    r = search(cum, j)
+    r = map_leading(lambda c, q: jnp.searchsorted(c, q, side="right"), len(lead))(cum, j)
     C = sizes.shape[-1]
     r_clip = jnp.minimum(r, C - 1)
     before = jnp.take_along_axis(cum - ranked_sizes, r_clip, axis=-1)
