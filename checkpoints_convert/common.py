@@ -86,6 +86,28 @@ def _hf_names(source: _Source, config: ModelConfig) -> list[str]:
     return [source.hf_name]
 
 
+def _to_hf_layout(source: _Source, ours: np.ndarray) -> np.ndarray:
+    """One layer's leaf back to its HF tensor: `to_ours` only transposes and reshapes, so applying it to the
+    element indices of an HF-shaped array tells where every HF element lands in ours; invert that."""
+    if source.to_ours is None:
+        return ours.reshape(source.hf_shape)
+    where = np.asarray(source.to_ours(np.arange(ours.size).reshape(source.hf_shape))).ravel()
+    hf = np.empty(ours.size, ours.dtype)
+    hf[where] = np.asarray(ours).ravel()
+    return hf.reshape(source.hf_shape)
+
+
+def params_to_hf_state_dict(params: dict, config: ModelConfig) -> dict[str, np.ndarray]:
+    """The param pytree as an HF Llama/Qwen2 state dict (numpy, PyTorch layout): the inverse of
+    `hf_state_dict_to_params`. A tied model has no lm_head.weight."""
+    out = {}
+    for source in _hf_sources(config):
+        leaf = np.asarray(_lookup(params, source.path))
+        for i, name in enumerate(_hf_names(source, config)):
+            out[name] = _to_hf_layout(source, leaf[i] if source.stacked else leaf)
+    return out
+
+
 def _is_ignorable_hf_name(name: str, config: ModelConfig) -> bool:
     # A tied checkpoint may still store the (duplicate) head; the model reads the embedding instead.
     return bool(_HF_IGNORED.fullmatch(name)) or (config.tie_word_embeddings and name == "lm_head.weight")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import jax
 import numpy as np
 
 from clusterkv_jax.config import ModelConfig
@@ -37,26 +38,16 @@ def hf_config(config: ModelConfig):
 
 
 def hf_model_from_params(config: ModelConfig, params, dtype: str = "float32"):
-    """transformers LlamaForCausalLM holding our parameters (the inverse of the HF converter's layout)."""
+    """transformers LlamaForCausalLM holding our parameters (`params_to_hf_state_dict`: the converter's
+    HF layout, inverted)."""
     import torch
     from transformers import LlamaForCausalLM
 
+    from checkpoints_convert import params_to_hf_state_dict
+
     torch_dtype = getattr(torch, dtype)
-    t = lambda x: torch.from_numpy(np.array(x, np.float32)).to(torch_dtype)
-    L, D = config.num_layers, config.hidden_size
-    lay = {k: np.asarray(v, np.float32) for k, v in params["layers"].items()}
-    state = {"model.embed_tokens.weight": t(params["embed"]), "model.norm.weight": t(params["final_norm"])}
-    if not config.tie_word_embeddings:
-        state["lm_head.weight"] = t(np.asarray(params["lm_head"], np.float32).T)
-    for i in range(L):
-        p = f"model.layers.{i}."
-        state[p + "input_layernorm.weight"] = t(lay["attn_norm"][i])
-        state[p + "post_attention_layernorm.weight"] = t(lay["mlp_norm"][i])
-        for name in ("q", "k", "v"):  # [D, heads, H] -> [heads * H, D]
-            state[p + f"self_attn.{name}_proj.weight"] = t(lay[name][i].reshape(D, -1).T)
-        state[p + "self_attn.o_proj.weight"] = t(lay["o"][i].reshape(-1, D).T)  # [N, H, D] -> [D, N * H]
-        for name in ("gate", "up", "down"):
-            state[p + f"mlp.{name}_proj.weight"] = t(lay[name][i].T)
+    params32 = jax.tree.map(lambda x: np.asarray(x, np.float32), params)  # torch takes no ml_dtypes bfloat16
+    state = {name: torch.from_numpy(w).to(torch_dtype) for name, w in params_to_hf_state_dict(params32, config).items()}
     model = LlamaForCausalLM(hf_config(config)).to(torch_dtype)
     result = model.load_state_dict(state, strict=False)
     missing = [n for n in result.missing_keys if not (config.tie_word_embeddings and n == "lm_head.weight")]

@@ -13,7 +13,7 @@ from safetensors.numpy import save_file
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 
-from checkpoints_convert import convert_gguf, convert_hf, hf_state_dict_to_params
+from checkpoints_convert import convert_gguf, convert_hf, hf_state_dict_to_params, params_to_hf_state_dict
 from checkpoints_convert.__main__ import main as cli_main
 from clusterkv_jax import checkpoint
 from clusterkv_jax.checkpoint import load_params
@@ -282,6 +282,17 @@ def test_gguf_tokenizer_matches_transformers(smollm2_gguf_converted_dir, hf_smol
         assert tokenizer_config[key] == getattr(hf_tokenizer, key), key
     assert tokenizer_config["add_bos_token"] is False
 
+
+
+@pytest.mark.parametrize("model_type,tied", [("llama", False), ("llama", True), ("qwen2", False)])
+def test_params_to_hf_state_dict_inverts_the_converter(model_type, tied):
+    """Back to the HF layout, tensor by tensor equal to the state dict the params were built from."""
+    cfg = dict(TINY_CONFIG, model_type=model_type, tie_word_embeddings=tied)
+    tensors = tiny_tensors(cfg, seed=3)
+    back = params_to_hf_state_dict(hf_state_dict_to_params(tensors, cfg), ModelConfig.from_hf_dict(cfg))
+    assert sorted(back) == sorted(tensors)
+    for name, w in tensors.items():
+        np.testing.assert_array_equal(back[name], w, err_msg=name)
 
 # ----------------------------------------------------------------------------------------------------------
 # Tiny GGUF files: RoPE un-permutation, biases, refusals
