@@ -72,13 +72,8 @@ def measure_bandwidth(nbytes: int = 1 << 29, repeats: int = 5) -> dict[str, floa
     scale = jax.jit(lambda a: a * 1.5)
 
     def best(fn, moved):
-        jax.block_until_ready(fn(x))
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(x))
-            times.append(time.perf_counter() - start)
-        return moved / min(times)
+        jax.block_until_ready(fn(x))  # compile
+        return moved / min(timed(fn, x)[1] for _ in range(repeats))
 
     out = {"read_Bps": best(read, nbytes), "copy_Bps": best(scale, 2 * nbytes)}
     out["bandwidth_Bps"] = max(out.values())

@@ -138,12 +138,17 @@ def _eval_inputs(args):
     return model, model.tokenizer.encode(text, add_special_tokens=False)
 
 
+def _add_policy_flags(parser) -> None:
+    """The per-policy options every eval and bench command takes (read back by `_policy_options`)."""
+    parser.add_argument("--gqa", choices=["per_head", "shared"], default="per_head", help="ClusterKV's GQA mode")
+    parser.add_argument("--init", choices=["random", "kmeans++"], default="random", help="ClusterKV's K-means init")
+    parser.add_argument("--quest-sinks", type=int, default=0, metavar="N",
+                        help="Quest: always select the pages of the first N tokens (0: none, as in the Quest paper)")
+
+
 def _policy_options(args) -> dict:
-    """Per-policy constructor options from the flags a command has (--gqa, --init, --quest-sinks)."""
-    options = {"clusterkv": dict(gqa=args.gqa), "quest": dict(sinks=args.quest_sinks)}
-    if hasattr(args, "init"):
-        options["clusterkv"]["init"] = args.init
-    return options
+    """Per-policy constructor options from the flags of `_add_policy_flags`."""
+    return {"clusterkv": dict(gqa=args.gqa, init=args.init), "quest": dict(sinks=args.quest_sinks)}
 
 
 def _finish(results, args, name, tables, title, fmt="{:.3f}") -> int:
@@ -417,10 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
             e.add_argument("--text", required=True, help="a long UTF-8 text file")
         e.add_argument("--budgets", type=_int_list, default=[256, 512, 1024, 2048])
         e.add_argument("--policies", type=parse_policies, default=parse_policies(policies))
-        e.add_argument("--gqa", choices=["per_head", "shared"], default="per_head", help="ClusterKV's GQA mode")
-        e.add_argument("--init", choices=["random", "kmeans++"], default="random", help="ClusterKV's K-means init")
-        e.add_argument("--quest-sinks", type=int, default=0, metavar="N",
-                       help="Quest: always select the pages of the first N tokens (0: none, as in the Quest paper)")
+        _add_policy_flags(e)
         e.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
         e.add_argument("--out", default=None, help="directory for NAME.json, NAME.md and NAME.png")
         if needs_text:
@@ -456,6 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--max-chars", type=int, default=0)
     o.add_argument("--json", default=None)
     o.set_defaults(func=cmd_bench_offload)
+
     def bench_parser(name, help, func, contexts, policies):
         from clusterkv_jax.config import SYNTHETIC_GEOMETRIES
         from clusterkv_jax.eval.policies import parse_policies
@@ -468,9 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--context", type=_int_list, default=contexts, help="comma-separated context lengths")
         b.add_argument("--budgets", type=_int_list, default=[512, 1024])
         b.add_argument("--policies", type=parse_policies, default=parse_policies(policies))
-        b.add_argument("--gqa", choices=["per_head", "shared"], default="per_head", help="ClusterKV's GQA mode")
-        b.add_argument("--quest-sinks", type=int, default=0, metavar="N",
-                       help="Quest: always select the pages of the first N tokens (0: none, as in the Quest paper)")
+        _add_policy_flags(b)
         b.add_argument("--batch", type=int, default=1, help="sequences decoded together")
         b.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
         b.add_argument("--seed", type=int, default=0)
