@@ -47,7 +47,7 @@ def hf_model_from_params(config: ModelConfig, params, dtype: str = "float32"):
 
     torch_dtype = getattr(torch, dtype)
     params32 = jax.tree.map(lambda x: np.asarray(x, np.float32), params)  # torch takes no ml_dtypes bfloat16
-    state = {name: torch.from_numpy(w).to(torch_dtype) for name, w in params_to_hf_state_dict(params32, config).items()}
+    state = {name: torch.tensor(w, dtype=torch_dtype) for name, w in params_to_hf_state_dict(params32, config).items()}
     model = LlamaForCausalLM(hf_config(config)).to(torch_dtype)
     result = model.load_state_dict(state, strict=False)
     missing = [n for n in result.missing_keys if not (config.tie_word_embeddings and n == "lm_head.weight")]
