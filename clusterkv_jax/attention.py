@@ -38,15 +38,18 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, query_block: i
         mask = key_pos[None, :] <= query_pos[:, None]  # [Q, T]
         return _softmax_weighted_sum(scores, mask, v, "BKGQT,BTKH->BQKGH")
 
-    if T <= query_block or T % query_block:
+    if T <= query_block:
         out = block(qg, jnp.int32(0))
     else:
-        n_blocks = T // query_block
+        # Pad the queries to whole blocks (the padded queries' outputs are dropped), so any T keeps the
+        # score tensor at [B, K, G, block, T].
+        n_blocks = -(-T // query_block)
+        qg = jnp.pad(qg, ((0, 0), (0, n_blocks * query_block - T), (0, 0), (0, 0), (0, 0)))
         # [n_blocks, B, Q, K, G, H]
         q_blocks = jnp.moveaxis(qg.reshape(B, n_blocks, query_block, K, G, H), 1, 0)
         starts = jnp.arange(n_blocks, dtype=jnp.int32) * query_block
         out = jax.lax.map(lambda args: block(*args), (q_blocks, starts))
-        out = jnp.moveaxis(out, 0, 1).reshape(B, T, K, G, H)
+        out = jnp.moveaxis(out, 0, 1).reshape(B, n_blocks * query_block, K, G, H)[:, :T]
     return out.reshape(B, T, N, H)
 
 
@@ -69,17 +72,22 @@ def selection_and_window_attention(
     k_sel: jax.Array,  # [B, h, M, H] selected rows; h = N (per query head) or K (shared by a KV head's G heads)
     v_sel: jax.Array,  # [B, h, M, H]
     sel_mask: jax.Array,  # [B, h, M]
-    k_win: jax.Array,  # [B, K, W, H] a window of rows every query head of the KV head attends
-    v_win: jax.Array,  # [B, K, W, H]
-    win_mask: jax.Array,  # [B, W]
+    k_win: jax.Array | None = None,  # [B, K, W, H] a window of rows every query head of the KV head attends
+    v_win: jax.Array | None = None,  # [B, K, W, H]
+    win_mask: jax.Array | None = None,  # [B, W]
 ) -> jax.Array:
-    """One query per head over its selected rows and its KV head's window, one softmax over both -> [B, N, H]
-    (float32). Rows shared by the G query heads of a KV head are read once, not copied per query head."""
+    """One query per head over its selected rows and its KV head's window (if any), one softmax over both ->
+    [B, N, H] (float32). Rows shared by the G query heads of a KV head are read once, not copied per query head."""
     B, N, H = q.shape
-    K, W = k_win.shape[1], k_win.shape[2]
-    G, M = N // K, k_sel.shape[2]
-    qg = q.reshape(B, K, G, H)
+    M = k_sel.shape[2]
     per_query_head = k_sel.shape[1] == N
+    if k_win is None:
+        K = k_sel.shape[1] if not per_query_head else N  # no window: any grouping of the heads works
+        k_win = v_win = jnp.zeros((B, K, 0, H), k_sel.dtype)
+        win_mask = jnp.zeros((B, 0), bool)
+    K, W = k_win.shape[1], k_win.shape[2]
+    G = N // K
+    qg = q.reshape(B, K, G, H)
     if per_query_head:
         k_sel, v_sel = k_sel.reshape(B, K, G, M, H), v_sel.reshape(B, K, G, M, H)
         sel_spec, sel_mask = "BKGMH", sel_mask.reshape(B, K, G, M)

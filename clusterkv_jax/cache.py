@@ -1,132 +1,185 @@
-"""The KV cache: capacity-padded arrays with per-sequence lengths, plus the selection policy's state."""
+"""The KV cache: the model's layers in groups, each group's K/V in one store, plus the policy's state.
+
+Layers [0, full_layers) attend to every cached token; layers [full_layers, L) attend to what the policy selects.
+Each run of layers that agree on that and on placement (device or host memory, as the policy asks) is one
+`LayerGroup`: one store (`clusterkv_jax.store.DeviceKV` or `clusterkv_jax.offload.HostKV`) stacked over the
+group's layers and, for selecting layers, the policy's state stacked likewise. The model runs one `lax.scan`
+per group, so buffers exist only where they are used: no policy state for full layers, no host buffers for
+device layers.
+
+Everything is capacity-padded: rows at or past `lengths[b]` of sequence b are padding. Donate the cache to the
+step that consumes it.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, NamedTuple
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
 from clusterkv_jax.config import ModelConfig
+from clusterkv_jax.offload import HostKV
+from clusterkv_jax.store import DeviceKV
+
+
+class GroupPlan(NamedTuple):
+    start: int
+    stop: int
+    selecting: bool
+    on_host: bool
+
+
+def layer_groups(config: ModelConfig, policy) -> list[GroupPlan]:
+    """The policy's layers as contiguous groups of (selecting or not) x (device or host memory)."""
+    L = config.num_layers
+    first_selecting = min(max(policy.full_layers, 0), L)
+    plans = []
+    for start, stop, selecting in ((0, first_selecting, False), (first_selecting, L, True)):
+        if stop > start:
+            plans.append(GroupPlan(start, stop, selecting, bool(policy.offloads(selecting))))
+    return plans
+
+
+@flax.struct.dataclass
+class LayerGroup:
+    """Layers [start, start + n) with one placement: their store and (selecting layers) the policy's state."""
+
+    store: Any  # DeviceKV or HostKV, arrays [n, B, K, S, H]
+    state: Any  # the policy's state, every leaf with a leading [n] axis; None for full layers
+    start: int = flax.struct.field(pytree_node=False)
+    selecting: bool = flax.struct.field(pytree_node=False)
+
+    @property
+    def num_layers(self) -> int:
+        return self.store.k.shape[0]
+
+    @property
+    def on_host(self) -> bool:
+        return isinstance(self.store, HostKV)
 
 
 @flax.struct.dataclass
 class KVCache:
-    """Keys and values of every layer, padded to a static capacity S.
+    """The model's KV, grouped (see the module docstring), and per-sequence lengths."""
 
-    Rows at or past `lengths[b]` of sequence b are padding. Donate it to the step that consumes it.
-    """
-
-    k: jax.Array  # [L, B, K, S, H]
-    v: jax.Array  # [L, B, K, S, H]
+    groups: tuple[LayerGroup, ...]
     lengths: jax.Array  # [B] int32: tokens stored (prompt + generated)
     prompt_lengths: jax.Array  # [B] int32: tokens that came from the prompt
-    policy_state: Any  # the policy's pytree, every leaf with a leading [L] axis
-    # Offload only (policy.offload): the KV of layers >= full_layers in host memory, and device buffers.
-    host_k: jax.Array | None = None  # [L - full_layers, B, K, S, H] memory kind pinned_host
-    host_v: jax.Array | None = None
-    offload_state: Any = None  # clusterkv_jax.offload.OffloadState, leading [L] axis
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[3]
-
-    @property
-    def offloaded(self) -> bool:
-        return self.host_k is not None
+        return self.groups[0].store.capacity
 
     @property
     def batch_size(self) -> int:
-        return self.k.shape[1]
+        return self.lengths.shape[0]
+
+    @property
+    def dtype(self):
+        return jnp.dtype(self.groups[0].store.k.dtype)
+
+    @property
+    def offloaded(self) -> bool:
+        return any(g.on_host for g in self.groups)
+
+    @property
+    def selecting(self) -> LayerGroup | None:
+        """The group of selecting layers (None when every layer attends to everything)."""
+        return next((g for g in self.groups if g.selecting), None)
+
+    @property
+    def policy_state(self) -> Any:
+        """The policy's state of the selecting layers, leading axis [L - full_layers] (None without any)."""
+        group = self.selecting
+        return None if group is None else group.state
+
+    def group_of(self, layer: int) -> tuple[LayerGroup, int]:
+        """(the group holding model layer `layer`, its index inside that group)."""
+        for g in self.groups:
+            if g.start <= layer < g.start + g.num_layers:
+                return g, layer - g.start
+        raise IndexError(f"layer {layer} out of range")
+
+    def layer_kv(self, layer: int) -> tuple[jax.Array, jax.Array]:
+        """Keys and values [B, K, S, H] of model layer `layer`, on the device (tests, benchmarks, plots)."""
+        return _layer_kv(self, layer)
 
 
-def offloaded_layers(config: ModelConfig, policy) -> int:
-    """How many layers keep their KV in host memory under this policy (0 without offload)."""
-    if not getattr(policy, "offload", False):
-        return 0
-    return max(0, config.num_layers - policy.full_layers)
+@functools.partial(jax.jit, static_argnums=1)
+def _layer_kv(cache: KVCache, layer: int):
+    group, i = cache.group_of(layer)
+    view = group.store.layer(jnp.int32(i))
+    return view.keys(), view.values()
 
 
 def init_cache(config: ModelConfig, policy, batch_size: int, capacity: int, dtype=jnp.bfloat16) -> KVCache:
-    """An empty cache for `batch_size` sequences of up to `capacity` tokens each.
-
-    With `policy.offload`, only the layers below `full_layers` keep device KV; the rest go to host memory.
-    """
-    L, B, K, H = config.num_layers, batch_size, config.num_kv_heads, config.head_dim
-    zeros_b = jnp.zeros((B,), jnp.int32)
-    policy_state = policy.init_state(config, B, capacity)
-    offloaded = offloaded_layers(config, policy)
-    # At least one device layer so indexing stays static; unused when every layer is offloaded.
-    device_layers = max(L - offloaded, 1)
-    cache = KVCache(
-        k=jnp.zeros((device_layers, B, K, capacity, H), dtype),
-        v=jnp.zeros((device_layers, B, K, capacity, H), dtype),
-        lengths=zeros_b,
-        prompt_lengths=zeros_b,
-        policy_state=policy_state,
-    )
-    if not offloaded:
-        return cache
-    from clusterkv_jax import offload
-
-    host_shape = (offloaded, B, K, capacity, H)
-    selection = offload.selection_shape(policy, config, policy_state, B)
-    return cache.replace(
-        host_k=offload.host_zeros(host_shape, dtype),
-        host_v=offload.host_zeros(host_shape, dtype),
-        offload_state=offload.init_offload_state(policy, config, B, capacity, dtype, selection),
-    )
+    """An empty cache for `batch_size` sequences of up to `capacity` tokens each, laid out for `policy`."""
+    B, K, H = batch_size, config.num_kv_heads, config.head_dim
+    groups = []
+    for plan in layer_groups(config, policy):
+        n = plan.stop - plan.start
+        if not plan.on_host:
+            store = DeviceKV.create(n, B, K, capacity, H, dtype)
+        elif plan.selecting:
+            store = HostKV.create(n, B, K, capacity, H, dtype, window=policy.window_size(capacity),
+                                  selection_shape=policy.selection_shape(config, B, capacity),
+                                  cache_steps=policy.cache_steps)
+        else:
+            store = HostKV.create(n, B, K, capacity, H, dtype)
+        state = policy.init_states(config, B, capacity, range(plan.start, plan.stop)) if plan.selecting else None
+        groups.append(LayerGroup(store=store, state=state, start=plan.start, selecting=plan.selecting))
+    # Two arrays, not one: a donated cache must not pass the same buffer twice.
+    return KVCache(groups=tuple(groups), lengths=jnp.zeros((B,), jnp.int32), prompt_lengths=jnp.zeros((B,), jnp.int32))
 
 
-# Row access with the sequence and KV-head dims as gather / scatter batching dims: stores are [L, B, K, S, H]
-# (rows addressed by (layer, position)) or [B, K, S, H] (by position), indices [B, K, n, 2] or [B, K, n, 1].
-# Nothing is reshaped across B or K, so under a mesh (B on "data", K on "model") every shard reads and
-# writes its own rows without a collective, and host-memory stores need no constants on the host side.
-# Gathers clamp out-of-range positions and scatters skip them (XLA's native semantics).
-_IN_BOUNDS = jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS
-
-
-def _row_dims(ndim: int):
-    if ndim == 5:
-        return dict(collapsed=(0, 3), index_map=(0, 3), batching=(1, 2))
-    return dict(collapsed=(2,), index_map=(2,), batching=(0, 1))
-
-
-def row_index(positions: jax.Array, layer: jax.Array | int | None = None) -> jax.Array:
-    """positions [B, K, n] (and a layer, for [L, B, K, S, H] stores) -> indices [B, K, n, 2 or 1]."""
-    positions = positions.astype(jnp.int32)
-    if layer is None:
-        return positions[..., None]
-    layer = jnp.broadcast_to(jnp.asarray(layer, jnp.int32), positions.shape)
-    return jnp.stack([layer, positions], axis=-1)
-
-
-def gather_rows(store: jax.Array, index: jax.Array) -> jax.Array:
-    """store [L, B, K, S, H] or [B, K, S, H], index [B, K, n, .] from `row_index` -> rows [B, K, n, H]."""
-    d = _row_dims(store.ndim)
-    dims = jax.lax.GatherDimensionNumbers(offset_dims=(3,), collapsed_slice_dims=d["collapsed"],
-                                          start_index_map=d["index_map"], operand_batching_dims=d["batching"],
-                                          start_indices_batching_dims=(0, 1))
-    return jax.lax.gather(store, index, dims, slice_sizes=(1,) * (store.ndim - 1) + (store.shape[-1],),
-                          mode=_IN_BOUNDS)
-
-
-def scatter_rows(store: jax.Array, index: jax.Array, rows: jax.Array) -> jax.Array:
-    """Writes rows [B, K, n, H] at index [B, K, n, .] (from `row_index`) into store; returns the store."""
-    d = _row_dims(store.ndim)
-    dims = jax.lax.ScatterDimensionNumbers(update_window_dims=(3,), inserted_window_dims=d["collapsed"],
-                                           scatter_dims_to_operand_dims=d["index_map"],
-                                           operand_batching_dims=d["batching"], scatter_indices_batching_dims=(0, 1))
-    return jax.lax.scatter(store, index, rows.astype(store.dtype), dims, mode=_IN_BOUNDS)
+def memory_kinds(cache: KVCache) -> KVCache:
+    """The cache with every array replaced by its memory kind ("device", or the host kind of HostKV arrays)."""
+    groups = tuple(g.replace(store=g.store.memory_kinds(), state=jax.tree.map(lambda _: "device", g.state))
+                   for g in cache.groups)
+    return cache.replace(groups=groups, lengths="device", prompt_lengths="device")
 
 
 def kv_bytes(cache: KVCache) -> dict[str, int]:
-    """Bytes of KV held on the device (full layers, plus ring and recall cache when offloaded) and on the host."""
-    device = cache.k.nbytes + cache.v.nbytes
-    host = 0
-    if cache.offloaded:
-        ost = cache.offload_state
-        device += ost.ring_k.nbytes + ost.ring_v.nbytes + ost.cache_k.nbytes + ost.cache_v.nbytes
-        host = cache.host_k.nbytes + cache.host_v.nbytes
-    return {"device": device, "host": host}
+    """Bytes of KV held in device memory (device stores, and the ring and recall cache of host stores) and in
+    host memory. The policy's index (centroids, pages) is not KV and is not counted."""
+    total = {"device": 0, "host": 0}
+    for g in cache.groups:
+        for kind, n in g.store.nbytes().items():
+            total[kind] += n
+    return total
+
+
+def write_prompt_layer(policy, group: LayerGroup, store, state, i, k_rows, v_rows, lengths):
+    """What prefill does with layer i of `group` once its K/V are computed: store the prompt's K/V [B, K, T, H]
+    as rows [0, T) and, in a selecting group, let the policy index the keys. Returns (store, state)."""
+    store = store.write_prompt(i, k_rows, v_rows)
+    if group.selecting:
+        with jax.named_scope("index"):
+            T, S = k_rows.shape[2], store.capacity
+            # The policy sees this layer's keys [B, K, S, H] (rows >= lengths are padding), in the store's dtype.
+            keys = jnp.pad(k_rows.astype(store.k.dtype), ((0, 0), (0, 0), (0, S - T), (0, 0)))
+            state = policy.after_prefill(state, keys, lengths)
+    return store, state
+
+
+@functools.partial(jax.jit, static_argnames=("policy",), donate_argnames=("cache",))
+def write_prompt(cache: KVCache, keys: jax.Array, values: jax.Array, lengths: jax.Array, *, policy) -> KVCache:
+    """An empty cache filled as a prefill of a prompt with these K/V [L, B, K, T, H] would fill it (its
+    attention outputs are not needed): the stores hold the rows, the policy has indexed the selecting layers."""
+    groups = []
+    for group in cache.groups:
+        def body(store, xs, group=group):
+            i, state, k, v = xs
+            store, state = write_prompt_layer(policy, group, store, state, i, k, v, lengths)
+            return store, state
+
+        n = group.num_layers
+        layers = slice(group.start, group.start + n)
+        store, state = jax.lax.scan(body, group.store, (jnp.arange(n, dtype=jnp.int32), group.state,
+                                                        keys[layers], values[layers]))
+        groups.append(group.replace(store=store, state=state))
+    lengths = lengths.astype(jnp.int32)
+    return cache.replace(groups=tuple(groups), lengths=lengths, prompt_lengths=lengths)

@@ -267,7 +267,8 @@ def cmd_eval_synthetic(args) -> int:
 def cmd_bench_offload(args) -> int:
     import json
 
-    from clusterkv_jax.bench import bench_offload, format_offload
+    from clusterkv_jax.bench.offload import bench_offload
+    from clusterkv_jax.bench.report import format_offload
 
     model, ids = _eval_inputs(args)
     results = bench_offload(model, ids, context=args.context, new_tokens=args.new_tokens, budget=args.budget,
@@ -324,7 +325,7 @@ def load_model_for_bench(args):
 
 def _report_bench(results, args, name: str, text: str, title: str) -> int:
     """Prints a benchmark's tables and, with --out, writes NAME.json / .md / .png."""
-    from clusterkv_jax.bench_decode import write_bench
+    from clusterkv_jax.bench.report import write_bench
 
     print(text)
     if args.out:
@@ -334,7 +335,9 @@ def _report_bench(results, args, name: str, text: str, title: str) -> int:
 
 
 def cmd_bench_decode(args) -> int:
-    from clusterkv_jax.bench_decode import bench_decode, format_decode, make_policies, measure_bandwidth
+    from clusterkv_jax.bench.decode import bench_decode, make_policies
+    from clusterkv_jax.bench.measure import measure_bandwidth
+    from clusterkv_jax.bench.report import format_decode
 
     if args.compare_hf and args.synthetic:
         raise ValueError("--compare-hf needs a real --model")
@@ -354,7 +357,7 @@ def cmd_bench_decode(args) -> int:
     bandwidth = measure_bandwidth()["bandwidth_Bps"]
     hf_model = None
     if args.compare_hf:
-        from clusterkv_jax.bench_hf import hf_model_from_params
+        from clusterkv_jax.bench.hf import hf_model_from_params
 
         hf_model = hf_model_from_params(config, params, args.dtype)
     results = bench_decode(params, config, policies, args.context, decode=args.decode, batch=args.batch,
@@ -368,7 +371,9 @@ def cmd_bench_decode(args) -> int:
 def cmd_bench_attention(args) -> int:
     import jax.numpy as jnp
 
-    from clusterkv_jax.bench_decode import bench_attention, format_attention, make_policies
+    from clusterkv_jax.bench.attention import bench_attention
+    from clusterkv_jax.bench.decode import make_policies
+    from clusterkv_jax.bench.report import format_attention
     from clusterkv_jax.config import ModelConfig, synthetic_config
 
     config = synthetic_config(args.synthetic) if args.synthetic else ModelConfig.from_dir(args.model)

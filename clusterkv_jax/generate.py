@@ -17,9 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from clusterkv_jax import sharding as sh
 from clusterkv_jax.cache import KVCache, init_cache
 from clusterkv_jax.config import ModelConfig
 from clusterkv_jax.model import forward_decode, forward_prefill
+from clusterkv_jax.ops import sharded_trace
 from clusterkv_jax.policies import FullKV, KVPolicy
 
 CAPACITY_MULTIPLE = 128
@@ -31,13 +33,14 @@ CAPACITY_MULTIPLE = 128
 
 
 def _in_mesh_scope(fn):
-    """Traces fn(..., sharding=ShardingRules) inside the rules' abstract mesh, so mesh-aware ops
-    (`ops.top_k_indices`) pick their partitionable form; without `sharding` nothing changes."""
+    """Traces fn(..., sharding=ShardingRules) for the rules' mesh (`ops.sharded_trace`), so mesh-aware ops
+    (`ops.top_k_indices`, the Pallas kernels through `ops.per_shard`) pick their per-shard forms; without
+    `sharding` nothing changes."""
     @functools.wraps(fn)
     def traced(*args, sharding=None, **kwargs):
         if sharding is None:
             return fn(*args, **kwargs)
-        with jax.sharding.use_abstract_mesh(sharding.mesh.abstract_mesh):
+        with sharded_trace(sharding.shard_axes):
             return fn(*args, sharding=sharding, **kwargs)
 
     return traced
@@ -47,10 +50,7 @@ def _pin_cache(cache: KVCache, config: ModelConfig, policy: KVPolicy, sharding) 
     """Inside jit, with ShardingRules: keeps every cache leaf in its mesh layout (see clusterkv_jax.sharding)."""
     if sharding is None:
         return cache
-    from clusterkv_jax import sharding as sh
-
-    shardings = sh.cached_cache_shardings(config, policy, cache.batch_size, cache.capacity,
-                                          jnp.dtype(cache.k.dtype), sharding)
+    shardings = sh.cached_cache_shardings(config, policy, cache.batch_size, cache.capacity, cache.dtype, sharding)
     return sh.constrain_cache(cache, shardings)
 
 
@@ -138,6 +138,19 @@ def cache_capacity(bucket: int, max_new_tokens: int) -> int:
     return -(-(bucket + max_new_tokens) // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
 
 
+@flax.struct.dataclass
+class DecodeLoop:
+    """The state of `generate_ids`' decode loop."""
+
+    step: jax.Array  # [] int32 tokens generated so far (the next one goes to out[:, step])
+    last: jax.Array  # [B] int32 the token fed to the next decode step
+    cache: KVCache
+    out: jax.Array  # [B, max_new_tokens] int32 generated tokens, pad_id after a sequence's EOS
+    done: jax.Array  # [B] bool the sequence produced an EOS
+    counts: jax.Array  # [B] int32 tokens generated per sequence, its EOS included
+    key: jax.Array  # PRNG key for the next sample
+
+
 @functools.partial(
     jax.jit, static_argnames=("config", "policy", "max_new_tokens", "capacity", "cache_dtype", "sharding")
 )
@@ -166,37 +179,30 @@ def generate_ids(
     pin = functools.partial(_pin_cache, config=config, policy=policy, sharding=sharding)
     cache = pin(init_cache(config, policy, B, capacity, cache_dtype))
     logits, cache = forward_prefill(params, config, policy, tokens, lengths, cache)
-    cache = pin(cache)
     key, sub = jax.random.split(key)
     first = sample_tokens(logits, sampling, sub)
-    out = jnp.full((B, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
-    done = jnp.isin(first, eos_ids)
-    counts = jnp.ones((B,), jnp.int32)
+    loop = DecodeLoop(step=jnp.int32(1), last=first, cache=pin(cache),
+                      out=jnp.full((B, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first),
+                      done=jnp.isin(first, eos_ids), counts=jnp.ones((B,), jnp.int32), key=key)
 
-    def keep_going(carry):
-        step, _, _, _, done, _, _ = carry
-        return (step < max_new_tokens) & ~jnp.all(done)
+    def keep_going(loop: DecodeLoop):
+        return (loop.step < max_new_tokens) & ~jnp.all(loop.done)
 
-    def step_fn(carry):
-        step, last, cache, out, done, counts, key = carry
-        logits, cache = forward_decode(params, config, policy, last, cache)
-        cache = pin(cache)
-        key, sub = jax.random.split(key)
-        nxt = jnp.where(done, pad_id, sample_tokens(logits, sampling, sub))
-        out = jax.lax.dynamic_update_slice(out, nxt[:, None], (0, step))
-        counts = counts + (~done).astype(jnp.int32)
-        done = done | jnp.isin(nxt, eos_ids)
-        return step + 1, nxt, cache, out, done, counts, key
+    def step_fn(loop: DecodeLoop) -> DecodeLoop:
+        logits, cache = forward_decode(params, config, policy, loop.last, loop.cache)
+        key, sub = jax.random.split(loop.key)
+        nxt = jnp.where(loop.done, pad_id, sample_tokens(logits, sampling, sub))
+        return DecodeLoop(step=loop.step + 1, last=nxt, cache=pin(cache),
+                          out=jax.lax.dynamic_update_slice(loop.out, nxt[:, None], (0, loop.step)),
+                          done=loop.done | jnp.isin(nxt, eos_ids), counts=loop.counts + (~loop.done).astype(jnp.int32),
+                          key=key)
 
-    carry = (jnp.int32(1), first, cache, out, done, counts, key)
-    _, _, cache, out, _, counts, _ = jax.lax.while_loop(keep_going, step_fn, carry)
-    return out, counts, pin(cache)
+    loop = jax.lax.while_loop(keep_going, step_fn, loop)
+    return loop.out, loop.counts, pin(loop.cache)
 
 
 def _placed_params(model, rules):
     """model.params on the mesh of `rules`, placed on the first call and kept on the model object."""
-    from clusterkv_jax import sharding as sh
-
     key = (rules.mesh, rules.heads, rules.mlp)
     kept = getattr(model, "_sharded_params", None)
     if kept is not None and kept[0] is model.params and kept[1] == key:
@@ -301,10 +307,7 @@ def generate(
     n_prompts = len(ids)
     rules, params = None, model.params
     if mesh is not None:
-        from clusterkv_jax import sharding as sh
-
         mesh = sh.make_mesh(mesh)
-        policy = sh.policy_for_mesh(policy, mesh)
         ids = ids + [ids[0]] * (sh.padded_batch(n_prompts, mesh) - n_prompts)
         rules = sh.sharding_rules(config, mesh, len(ids))
         params = _placed_params(model, rules)

@@ -18,7 +18,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from clusterkv_jax.ops import map_leading, top_k_indices
+from clusterkv_jax.ops import map_leading, per_shard, top_k_indices
+from pallas_kernels import centroid_update, centroid_update_reference
 
 _EPS = 1e-12
 
@@ -51,23 +52,15 @@ KERNEL_MODES = ("reference", "pallas", "interpret")
 
 
 def _member_sums(labels, x, C, kernel: str = "reference"):
-    """Per-cluster sums of x [P, N, H] and counts, by one-hot matmul (masked keys have label C: no row).
-
-    kernel "pallas" runs the Pallas centroid_update kernel (CUDA sm80+), "interpret" the same kernel in
-    Pallas interpret mode (any device; for tests), "reference" the jnp one-hot matmul below.
-    """
-    if kernel != "reference":
-        from pallas_kernels import centroid_update
-
-        lead, (N, H) = x.shape[:-2], x.shape[-2:]
-        sums, counts = centroid_update(x.reshape(-1, N, H), labels.reshape(-1, N), C,
-                                       interpret=kernel == "interpret")
-        return sums.reshape(lead + (C, H)), counts.astype(jnp.float32).reshape(lead + (C,))
-    # [P, N, C]
-    onehot = jax.nn.one_hot(labels, C, dtype=jnp.float32)
-    sums = jnp.einsum("...NC,...NH->...CH", onehot, x)
-    counts = jnp.sum(onehot, axis=-2)
-    return sums, counts
+    """Per-cluster sums of x [P, N, H] and counts (float32) of the labels [P, N] (masked keys have label C: no
+    row), by `pallas_kernels.centroid_update`: the Pallas kernel ("pallas" on CUDA sm80+, "interpret" in Pallas
+    interpret mode on any device; per device shard under a mesh) or its pure-jnp reference ("reference")."""
+    if kernel == "reference":
+        sums, counts = centroid_update_reference(x, labels, C)
+    else:
+        run = functools.partial(centroid_update, num_clusters=C, interpret=kernel == "interpret")
+        sums, counts = per_shard(lambda x, labels: run(x, labels), x, labels)
+    return sums, counts.astype(jnp.float32)
 
 
 def cluster_mask(num_clusters: jax.Array, C: int) -> jax.Array:

@@ -1,9 +1,11 @@
 """A functional Llama-family decoder: RMSNorm, RoPE (default / linear / llama3), GQA, SwiGLU.
 
 Parameters are a plain pytree (see `param_shapes`); every function here is pure and jit-able. Layers are
-stacked on a leading axis and run under `lax.scan`, so compile time does not grow with depth. The KV cache
-(`KVCache`) is carried through the scan whole and indexed by layer, so a decode step writes one row per
-layer in place instead of copying the cache. Norms, RoPE, softmax and logits are computed in float32.
+stacked on a leading axis and run under `lax.scan`, so compile time does not grow with depth: one scan per
+group of the cache (`clusterkv_jax.cache`: the full layers, then the selecting layers, each group with its
+store on the device or in host memory), all over the same layer body. A group's store is carried through its
+scan whole and indexed by layer, so a decode step writes one row per layer in place instead of copying the
+cache. Norms, RoPE, softmax and logits are computed in float32.
 
 Shapes: B batch, T tokens, S cache capacity, D hidden, N query heads, K KV heads, G = N // K, H head dim,
 F MLP width, V vocabulary, L layers.
@@ -17,8 +19,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from clusterkv_jax import attention, offload
-from clusterkv_jax.cache import KVCache, row_index, scatter_rows
+from clusterkv_jax import attention
+from clusterkv_jax.cache import KVCache, LayerGroup, write_prompt_layer
 from clusterkv_jax.config import ModelConfig
 
 Params = dict[str, Any]
@@ -144,8 +146,37 @@ def _logits(params: Params, config: ModelConfig, x: jax.Array) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Prefill and decode
+# Prefill and decode: one layer body, one scan per layer group
 # ----------------------------------------------------------------------------------------------------------
+
+
+def _layer(layer: Params, config: ModelConfig, x: jax.Array, positions: jax.Array, inv_freq: jax.Array, attend):
+    """One decoder layer. attend(q [B, T, N, H], k, v [B, T, K, H]) -> (attention output [B, T, N, H], extra)
+    stores the new K/V and attends (prefill or decode); returns (x after attention and MLP, extra)."""
+    h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
+    q, k, v = _project_qkv(layer, h, positions, inv_freq)
+    attn, extra = attend(q, k, v)
+    return _output_and_mlp(layer, config, x, attn), extra
+
+
+def _scan_groups(params: Params, groups: tuple[LayerGroup, ...], x: jax.Array, step):
+    """Runs the layers group by group (one `lax.scan` each). step(group, layer params, i, x, store, state) ->
+    (x, store, state) for layer i of the group. Returns x and the groups with their new stores and states."""
+    out = []
+    for group in groups:
+        def body(carry, xs, group=group):
+            x, store = carry
+            i, state = xs
+            # Indexed inside the body (not scanned over a slice), so no group copies the weights.
+            layer = jax.tree.map(lambda p: jax.lax.dynamic_index_in_dim(p, group.start + i, keepdims=False),
+                                 params["layers"])
+            x, store, state = step(group, layer, i, x, store, state)
+            return (x, store), state
+
+        (x, store), state = jax.lax.scan(body, (x, group.store),
+                                         (jnp.arange(group.num_layers, dtype=jnp.int32), group.state))
+        out.append(group.replace(store=store, state=state))
+    return x, tuple(out)
 
 
 def forward_prefill(
@@ -165,65 +196,26 @@ def forward_prefill(
     assert T <= S, f"prompt bucket {T} exceeds cache capacity {S}"
     inv_freq = rope_inv_freq(config)
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    x = params["embed"][tokens]
-    layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
-    compressed = policy.full_layers < config.num_layers
 
-    offloaded = cache.offloaded
-    device_layers = config.num_layers - (cache.host_k.shape[0] if offloaded else 0)
+    def step(group, layer, i, x, store, state):
+        def attend(q, k, v):
+            # [B, K, T, H] rows 0..T of this layer, in the store's dtype.
+            k_rows = jnp.swapaxes(k, 1, 2).astype(store.k.dtype)
+            v_rows = jnp.swapaxes(v, 1, 2).astype(store.v.dtype)
+            stored = write_prompt_layer(policy, group, store, state, i, k_rows, v_rows, lengths)
+            return attention.causal_attention(q, k, v, query_block=PREFILL_QUERY_BLOCK), stored
 
-    def layer_fn(carry, xs):
-        x, k_all, v_all, host_k, host_v = carry
-        layer, layer_id, state = xs
-        h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
-        q, k, v = _project_qkv(layer, h, positions, inv_freq)
-        attn = attention.causal_attention(q, k, v, query_block=PREFILL_QUERY_BLOCK)
-        # Store the keys and values as [B, K, T, H] rows 0..T of this layer.
-        k_bkth = jnp.swapaxes(k, 1, 2).astype(k_all.dtype)
-        v_bkth = jnp.swapaxes(v, 1, 2).astype(v_all.dtype)
+        x, (store, state) = _layer(layer, config, x, positions, inv_freq, attend)
+        return x, store, state
 
-        def device_write(kv):
-            k_all, v_all, host_k, host_v = kv
-            k_all = jax.lax.dynamic_update_slice(k_all, k_bkth[None], (layer_id, 0, 0, 0, 0))
-            v_all = jax.lax.dynamic_update_slice(v_all, v_bkth[None], (layer_id, 0, 0, 0, 0))
-            return k_all, v_all, host_k, host_v
-
-        def host_write(kv):
-            k_all, v_all, host_k, host_v = kv
-            host_k, host_v = offload.write_prefill(host_k, host_v, layer_id - device_layers, k_bkth, v_bkth)
-            return k_all, v_all, host_k, host_v
-
-        kv = (k_all, v_all, host_k, host_v)
-        if offloaded:
-            k_all, v_all, host_k, host_v = jax.lax.cond(layer_id >= device_layers, host_write, device_write, kv)
-            # The policy indexes this layer's prompt keys from a transient device copy padded to capacity.
-            k_layer = jnp.pad(k_bkth, ((0, 0), (0, 0), (0, S - T), (0, 0)))
-        else:
-            k_all, v_all, host_k, host_v = device_write(kv)
-            # [B, K, S, H] this layer's whole store, rows >= lengths are padding.
-            k_layer = jax.lax.dynamic_index_in_dim(k_all, layer_id, keepdims=False)
-        if compressed:
-            state = jax.lax.cond(
-                layer_id >= policy.full_layers,
-                lambda s: policy.after_prefill(s, k_layer, lengths),
-                lambda s: s,
-                state,
-            )
-        return (_output_and_mlp(layer, config, x, attn), k_all, v_all, host_k, host_v), state
-
-    (x, k_all, v_all, host_k, host_v), state = jax.lax.scan(
-        layer_fn, (x, cache.k, cache.v, cache.host_k, cache.host_v),
-        (params["layers"], layer_ids, cache.policy_state)
-    )
+    x, groups = _scan_groups(params, cache.groups, params["embed"][tokens], step)
     if all_logits:
         logits = _logits(params, config, x)
     else:
         last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]
         logits = _logits(params, config, last)
-    new_cache = cache.replace(k=k_all, v=v_all, lengths=lengths.astype(jnp.int32),
-                              prompt_lengths=lengths.astype(jnp.int32), policy_state=state,
-                              host_k=host_k, host_v=host_v)
-    return logits, new_cache
+    lengths = lengths.astype(jnp.int32)
+    return logits, cache.replace(groups=groups, lengths=lengths, prompt_lengths=lengths)
 
 
 def forward_decode(
@@ -234,65 +226,25 @@ def forward_decode(
     cache: KVCache,
 ) -> tuple[jax.Array, KVCache]:
     """Appends one token per sequence at position `cache.lengths` and returns its logits [B, V]."""
-    B = tokens.shape[0]
     inv_freq = rope_inv_freq(config)
     positions = cache.lengths[:, None]  # [B, 1]
     new_lengths = cache.lengths + 1
-    x = params["embed"][tokens][:, None]  # [B, 1, D]
-    layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
-    compressed = policy.full_layers < config.num_layers
 
-    offloaded = cache.offloaded
-    device_layers = config.num_layers - (cache.host_k.shape[0] if offloaded else 0)
-
-    def layer_fn(carry, xs):
-        x, k_all, v_all, host_k, host_v = carry
-        layer, layer_id, state, ost = xs
-        h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
-        q, k, v = _project_qkv(layer, h, positions, inv_freq)
-        q1, k1, v1 = q[:, 0], k[:, 0], v[:, 0]  # [B, N, H], [B, K, H], [B, K, H]
-
-        def on_device(args):
-            k_all, v_all, host_k, host_v, state, ost = args
-            # Write this token's K/V at each sequence's own position: [B, K, H] rows into [L, B, K, S, H]
-            # (B and K as scatter batching dims, so a sharded cache is written shard by shard).
-            rows = row_index(jnp.broadcast_to(cache.lengths[:, None, None], k1.shape[:2] + (1,)), layer_id)
-            k_all = scatter_rows(k_all, rows, k1[:, :, None])
-            v_all = scatter_rows(v_all, rows, v1[:, :, None])
-            k_layer = jax.lax.dynamic_index_in_dim(k_all, layer_id, keepdims=False)  # [B, K, S, H]
-            v_layer = jax.lax.dynamic_index_in_dim(v_all, layer_id, keepdims=False)
-            if compressed and not offloaded:
-                attn, state = jax.lax.cond(
-                    layer_id >= policy.full_layers,
-                    lambda s: policy.decode_attention(s, q1, k_layer, v_layer, new_lengths, cache.prompt_lengths),
-                    lambda s: (attention.decode_attention(q1, k_layer, v_layer, new_lengths), s),
-                    state,
-                )
+    def step(group, layer, i, x, store, state):
+        def attend(q, k, v):
+            q1 = q[:, 0]  # [B, N, H]
+            # This token's K/V [B, K, H] at each sequence's own position.
+            kv = store.write_token(i, cache.lengths, k[:, 0], v[:, 0]).layer(i)
+            if group.selecting:
+                out, new_state, kv = policy.decode_attention(state, q1, kv, new_lengths, cache.prompt_lengths)
             else:
-                attn = attention.decode_attention(q1, k_layer, v_layer, new_lengths)
-            return attn, (k_all, v_all, host_k, host_v, state, ost)
+                with jax.named_scope("attend"):
+                    out, new_state = attention.decode_attention(q1, kv.keys(), kv.values(), new_lengths), state
+            return out[:, None], (kv.store, new_state)
 
-        def on_host(args):
-            k_all, v_all, host_k, host_v, state, ost = args
-            host_layer = layer_id - device_layers
-            attn, state, ost, host_k, host_v = offload.decode_layer(
-                policy, state, ost, q1, k1, v1, host_k, host_v, host_layer, cache.lengths, new_lengths,
-                cache.prompt_lengths)
-            return attn, (k_all, v_all, host_k, host_v, state, ost)
+        x, (store, state) = _layer(layer, config, x, positions, inv_freq, attend)
+        return x, store, state
 
-        args = (k_all, v_all, host_k, host_v, state, ost)
-        if offloaded:
-            attn, args = jax.lax.cond(layer_id >= device_layers, on_host, on_device, args)
-        else:
-            attn, args = on_device(args)
-        k_all, v_all, host_k, host_v, state, ost = args
-        return (_output_and_mlp(layer, config, x, attn[:, None]), k_all, v_all, host_k, host_v), (state, ost)
-
-    (x, k_all, v_all, host_k, host_v), (state, ost) = jax.lax.scan(
-        layer_fn, (x, cache.k, cache.v, cache.host_k, cache.host_v),
-        (params["layers"], layer_ids, cache.policy_state, cache.offload_state)
-    )
+    x, groups = _scan_groups(params, cache.groups, params["embed"][tokens][:, None], step)
     logits = _logits(params, config, x[:, 0])
-    new_cache = cache.replace(k=k_all, v=v_all, lengths=new_lengths, policy_state=state, host_k=host_k,
-                              host_v=host_v, offload_state=ost)
-    return logits, new_cache
+    return logits, cache.replace(groups=groups, lengths=new_lengths)

@@ -1,25 +1,28 @@
-"""Host-offloaded KV for the compressed layers, and a device cache of recently recalled rows.
+"""`HostKV`: a group of layers whose keys and values live in host memory, behind the store protocol of
+`clusterkv_jax.store`.
 
-With `policy.offload`, the full K/V of every layer >= full_layers lives in host memory (memory kind
-`pinned_host`); the device keeps the cluster index, a ring of the last W generated tokens (the unindexed
-window) and the rows selected in the last R = `cache_steps` steps. Each decode step:
+The full K/V stay in host memory (memory kind `pinned_host`, via `jax.device_put` with memory-kind shardings;
+where a backend lacks it we fall back and warn once). For a group of selecting layers the device keeps
 
-  1. writes the new token's K/V into the host store and the ring (explicit host computation),
-  2. lets the policy index the window (decode-time clustering reads its keys from the ring),
-  3. selects on the device, looks the selection up in the R-step cache, and fetches only the misses from
-     the host: the miss positions move to the host, the host gathers them, the rows move back. The
-     transfer is bucketed (M/8, M/4, M/2, M rows) so it stays a static shape yet shrinks with the misses,
-  4. attends over [selected rows; window rows] in the same order as the on-device path, so results match.
+- a ring of the last W tokens written (slot = position % W): the policy's unindexed window, read every step
+  and clustered from when it is due, without a host round trip;
+- a recall cache: the rows selected in the last R = `cache_steps` steps, with their positions.
 
-Device bytes for the compressed layers' KV are fixed by (budget, R, W), not by the context length.
-Shapes: B batch, K KV heads, h selection heads (N or K), M budgeted slots, W window, H head dim.
+Each decode step of such a layer: the new token's K/V go to the host store and to the ring; the policy
+selects on the device; `read` looks the selection up in the recall cache and fetches only the misses from
+the host (miss positions move to the host, the host gathers them inside the same jit via `compute_on`, the
+rows move back), in transfers bucketed to M/8, M/4, M/2 or M rows so shapes stay static yet shrink with the
+misses. Results equal the on-device path exactly. A group of full layers (`FullKV(offload=True)`) has neither
+buffer: each step streams the whole layer to the device.
+
+Device bytes of an offloaded selecting group depend on (budget, R, W), not on the context length.
+Shapes: n layers, B batch, K KV heads, h selection heads (N or K), M budgeted slots, W window, H head dim.
 """
 
 from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any
 
 import flax.struct
 import jax
@@ -27,9 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.compute_on import compute_on
 
-from clusterkv_jax.attention import selection_and_window_attention
-from clusterkv_jax.cache import gather_rows, row_index, scatter_rows
-from clusterkv_jax.policies.common import recent_window
+from clusterkv_jax.ops import gather_rows, per_kv_head, row_index, scatter_rows
+from clusterkv_jax.store import KVStore, LayerView
 
 
 @functools.lru_cache(maxsize=None)
@@ -89,188 +91,193 @@ def host_zeros(shape, dtype):
 
 
 @flax.struct.dataclass
-class OffloadState:
-    """One layer's device-side buffers (the cache stacks a leading [L] axis)."""
+class RecallCache:
+    """The rows each selection head selected in the last R steps, per layer of the group, and counters."""
 
-    ring_k: jax.Array  # [B, K, W, H] last W generated tokens, slot = position % W
-    ring_v: jax.Array  # [B, K, W, H]
-    cache_ids: jax.Array  # [B, h, R, M] int32 positions selected in the last R steps (-1: empty)
-    cache_k: jax.Array  # [B, h, R, M, H]
-    cache_v: jax.Array  # [B, h, R, M, H]
-    step: jax.Array  # [] int32 decode steps seen
-    hits: jax.Array  # [] float32 selected rows served from the cache, summed over steps
-    selected: jax.Array  # [] float32 selected rows, summed over steps
-    fetched: jax.Array  # [] float32 rows moved host -> device (bucketed transfer size), summed
+    ids: jax.Array  # [n, B, h, R, M] int32 positions (-1: empty)
+    k: jax.Array  # [n, B, h, R, M, H]
+    v: jax.Array  # [n, B, h, R, M, H]
+    step: jax.Array  # [n] int32 decode steps seen
+    hits: jax.Array  # [n] float32 selected rows served from the cache, summed over steps
+    selected: jax.Array  # [n] float32 selected rows, summed over steps
+    fetched: jax.Array  # [n] float32 rows moved host -> device (bucketed transfer sizes), summed
 
+    @classmethod
+    def create(cls, layers: int, selection_shape: tuple[int, int, int], steps: int, head_dim: int, dtype):
+        B, h, M = selection_shape
+        zeros = lambda: jnp.zeros((layers,), jnp.float32)  # a buffer each: the cache is donated
+        return cls(ids=jnp.full((layers, B, h, steps, M), -1, jnp.int32),
+                   k=jnp.zeros((layers, B, h, steps, M, head_dim), dtype),
+                   v=jnp.zeros((layers, B, h, steps, M, head_dim), dtype),
+                   step=jnp.zeros((layers,), jnp.int32), hits=zeros(), selected=zeros(), fetched=zeros())
 
-def init_offload_state(policy, config, batch_size: int, capacity: int, dtype, selection_shape) -> OffloadState:
-    """Device buffers for every layer; selection_shape is the policy's (B, h, M) budgeted selection."""
-    L, B, K, H = config.num_layers, batch_size, config.num_kv_heads, config.head_dim
-    _, h, M = selection_shape
-    W = max(policy.window_size(), 1) if hasattr(policy, "window_size") else 1
-    R = policy.cache_steps
-    return OffloadState(
-        ring_k=jnp.zeros((L, B, K, W, H), dtype),
-        ring_v=jnp.zeros((L, B, K, W, H), dtype),
-        cache_ids=jnp.full((L, B, h, R, M), -1, jnp.int32),
-        cache_k=jnp.zeros((L, B, h, R, M, H), dtype),
-        cache_v=jnp.zeros((L, B, h, R, M, H), dtype),
-        step=jnp.zeros((L,), jnp.int32),
-        hits=jnp.zeros((L,), jnp.float32),
-        selected=jnp.zeros((L,), jnp.float32),
-        fetched=jnp.zeros((L,), jnp.float32),
-    )
+    @property
+    def steps(self) -> int:
+        return self.ids.shape[3]
 
 
-def write_prefill(host_k, host_v, host_layer, k_bkth, v_bkth):
-    """Stores one layer's prompt K/V [B, K, T, H] at rows 0..T of host layer `host_layer`."""
-    k_h, v_h, layer_h = to_host(k_bkth[None]), to_host(v_bkth[None]), to_host(host_layer)
+@flax.struct.dataclass
+class HostKV(KVStore):
+    """Keys and values of a group of layers in host memory (see the module docstring)."""
 
-    def write(store, rows, layer):
-        return jax.lax.dynamic_update_slice(store, rows, (layer, 0, 0, 0, 0))
+    k: jax.Array  # [n, B, K, S, H] memory kind pinned_host
+    v: jax.Array  # [n, B, K, S, H]
+    ring_k: jax.Array | None = None  # [n, B, K, W, H] device: the last W tokens written, slot = position % W
+    ring_v: jax.Array | None = None
+    recall: RecallCache | None = None  # device: rows selected in the last R steps
 
-    return _on_host(write, host_k, k_h, layer_h), _on_host(write, host_v, v_h, layer_h)
+    @classmethod
+    def create(cls, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype, *,
+               window: int = 0, selection_shape: tuple[int, int, int] | None = None, cache_steps: int = 0):
+        """window > 0 keeps a device ring of that many recent tokens; selection_shape (B, h, M) adds the recall
+        cache of `cache_steps` steps (a group of selecting layers); without it the group streams whole layers."""
+        shape = (layers, batch, kv_heads, capacity, head_dim)
+        store = cls(k=host_zeros(shape, dtype), v=host_zeros(shape, dtype))
+        if window:
+            ring = (layers, batch, kv_heads, window, head_dim)
+            store = store.replace(ring_k=jnp.zeros(ring, dtype), ring_v=jnp.zeros(ring, dtype))
+        if selection_shape is not None:
+            store = store.replace(recall=RecallCache.create(layers, selection_shape, cache_steps, head_dim, dtype))
+        return store
 
+    def write_prompt(self, layer, k, v) -> "HostKV":
+        def write(store, rows, at):
+            return jax.lax.dynamic_update_slice(store, rows, (at, 0, 0, 0, 0))
 
-# Host rows are addressed per (sequence, KV head) with `cache.gather_rows` / `scatter_rows`, which treat B and
-# K as batching dimensions: the host store is never reshaped across B or K, so under a mesh each shard reads
-# and writes its own rows (no collective), and the host computation sees only a gather or scatter whose
-# operands are all in host memory already (the index arithmetic stays on the device).
+        k_h, v_h, at = to_host(k[None].astype(self.k.dtype)), to_host(v[None].astype(self.v.dtype)), to_host(layer)
+        return self.replace(k=_on_host(write, self.k, k_h, at), v=_on_host(write, self.v, v_h, at))
 
+    def write_token(self, layer, positions, k, v) -> "HostKV":
+        B, K = k.shape[:2]
+        rows = to_host(row_index(jnp.broadcast_to(positions[:, None, None], (B, K, 1)), layer))
+        k_h, v_h = to_host(k[:, :, None].astype(self.k.dtype)), to_host(v[:, :, None].astype(self.v.dtype))
 
-def _write_token(host_k, host_v, host_layer, positions, k_new, v_new):
-    """Stores one token per sequence, k_new/v_new [B, K, H], at rows `positions` [B] of the host layer."""
-    _, B, K, _, _ = host_k.shape
-    index = to_host(row_index(jnp.broadcast_to(positions[:, None, None], (B, K, 1)), host_layer))
-    k_h, v_h = to_host(k_new[:, :, None]), to_host(v_new[:, :, None])  # [B, K, 1, H]
+        def write(store, new):
+            return scatter_rows(store, rows, new)
 
-    def write(store, new):
-        return scatter_rows(store, index, new)
+        store = self.replace(k=_on_host(write, self.k, k_h), v=_on_host(write, self.v, v_h))
+        if self.ring_k is None:
+            return store
+        W = self.ring_k.shape[3]
+        # A position past the capacity is dropped from the ring as from the host store (slot W: out of range).
+        slot = jnp.where(positions < self.capacity, positions % W, W)
+        slots = row_index(jnp.broadcast_to(slot[:, None, None], (B, K, 1)), layer)
+        return store.replace(ring_k=scatter_rows(self.ring_k, slots, k[:, :, None]),
+                             ring_v=scatter_rows(self.ring_v, slots, v[:, :, None]))
 
-    return _on_host(write, host_k, k_h), _on_host(write, host_v, v_h)
+    def layer(self, layer) -> "HostLayer":
+        return HostLayer(self, layer)
 
-
-def host_gather(host_k, host_v, host_layer, ids):
-    """Rows of the host layer at ids [B, h, n] (head n reads KV head n // (h // K)) -> device [B, h, n, H]."""
-    B, h, n = ids.shape
-    _, _, K, _, H = host_k.shape
-    index = to_host(row_index(ids.reshape(B, K, (h // K) * n), host_layer))
-
-    def gather(store):
-        return gather_rows(store, index)
-
-    k = to_device(_on_host(gather, host_k))
-    v = to_device(_on_host(gather, host_v))
-    return k.reshape(B, h, n, H), v.reshape(B, h, n, H)
+    def memory_kinds(self) -> "HostKV":
+        host = host_memory_kind() or "device"
+        return jax.tree.map(lambda _: "device", self).replace(k=host, v=host)
 
 
 def _miss_buckets(M: int) -> list[int]:
     return sorted({max(1, M // 8), max(1, M // 4), max(1, M // 2), M})
 
 
-def recall_rows(ost: OffloadState, idx, mask, host_k, host_v, host_layer, R: int):
-    """Rows for the selection idx/mask [B, h, M]: cache hits from the device, misses fetched from the host."""
-    B, h, M = idx.shape
-    H = host_k.shape[4]
-    if R == 0:  # no cache: every selected row crosses
-        k, v = host_gather(host_k, host_v, host_layer, idx)
-        return k, v, ost.replace(step=ost.step + 1, selected=ost.selected + jnp.sum(mask),
-                                 fetched=ost.fetched + B * h * M)
-    # Look each slot up among the R·M cached positions: sort once, then binary search.
-    cached = ost.cache_ids.reshape(B, h, R * M)
-    order = jnp.argsort(cached, axis=-1)
-    sorted_ids = jnp.take_along_axis(cached, order, axis=-1)
-    pos = jax.vmap(jax.vmap(lambda s, q: jnp.searchsorted(s, q)))(sorted_ids, idx)
-    pos = jnp.minimum(pos, R * M - 1)
-    hit = (jnp.take_along_axis(sorted_ids, pos, axis=-1) == idx) & mask  # [B, h, M]
-    where_cached = jnp.take_along_axis(order, pos, axis=-1)
-    cached_k = jnp.take_along_axis(ost.cache_k.reshape(B, h, R * M, H), where_cached[..., None], axis=2)
-    cached_v = jnp.take_along_axis(ost.cache_v.reshape(B, h, R * M, H), where_cached[..., None], axis=2)
+class HostLayer(LayerView):
+    """One layer of a HostKV."""
 
-    # Misses first (stable), then fetch only as many rows as the fullest head needs, rounded up to a bucket.
-    miss = mask & ~hit
-    miss_first = jnp.argsort(~miss, axis=-1, stable=True)  # [B, h, M]
-    miss_ids = jnp.take_along_axis(idx, miss_first, axis=-1)
-    buckets = _miss_buckets(M)
-    most = jnp.max(jnp.sum(miss, axis=-1))
-    bucket = jnp.sum(jnp.array(buckets[:-1]) < most)  # index of the smallest bucket holding `most`
+    def _stream(self, store):
+        """The whole layer, sliced on the host and moved to the device: [B, K, S, H]."""
+        at = to_host(self.index)
+        return to_device(_on_host(lambda s, i: jax.lax.dynamic_index_in_dim(s, i, keepdims=False), store, at))
 
-    def fetch(n):
-        def run(_):
-            k, v = host_gather(host_k, host_v, host_layer, miss_ids[..., :n])  # [B, h, n, H]
-            dest = miss_first[..., :n]
-            put = jax.vmap(jax.vmap(lambda z, d, r: z.at[d].set(r)))
-            zeros = jnp.zeros((B, h, M, H), k.dtype)
-            return put(zeros, dest, k), put(zeros, dest, v), jnp.float32(B * h * n)
-        return run
+    def keys(self):
+        return self._stream(self.store.k)
 
-    fetched_k, fetched_v, moved = jax.lax.switch(bucket, [fetch(n) for n in buckets], None)
-    k = jnp.where(hit[..., None], cached_k.astype(fetched_k.dtype), fetched_k)
-    v = jnp.where(hit[..., None], cached_v.astype(fetched_v.dtype), fetched_v)
-    slot = ost.step % R
-    ost = ost.replace(
-        cache_ids=ost.cache_ids.at[:, :, slot].set(jnp.where(mask, idx, -1)),
-        cache_k=ost.cache_k.at[:, :, slot].set(k.astype(ost.cache_k.dtype)),
-        cache_v=ost.cache_v.at[:, :, slot].set(v.astype(ost.cache_v.dtype)),
-        step=ost.step + 1,
-        hits=ost.hits + jnp.sum(hit),
-        selected=ost.selected + jnp.sum(mask),
-        fetched=ost.fetched + moved,
-    )
-    return k, v, ost
+    def values(self):
+        return self._stream(self.store.v)
 
+    def host_gather(self, idx):
+        """Host rows at positions idx [B, h, n] (head n reads KV head n // (h // K)) -> device [B, h, n, H]."""
+        B, h, n = idx.shape
+        K, H = self.store.k.shape[2], self.store.k.shape[4]
+        # In range by construction (clamped on the device), so the host computation is a plain gather.
+        safe = jnp.clip(per_kv_head(idx, K), 0, self.capacity - 1)
+        rows = to_host(row_index(safe, self.index))
 
-def decode_layer(policy, state: Any, ost: OffloadState, q, k_new, v_new, host_k, host_v, host_layer,
-                 old_lengths, lengths, prompt_lengths):
-    """One compressed layer's decode attention with the KV in host memory. Returns (out [B, N, H], state,
-    ost, host_k, host_v)."""
-    from clusterkv_jax.attention import decode_attention
-    from clusterkv_jax.policies.full import FullKV
+        def gather(store):
+            return gather_rows(store, rows, mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
 
-    B = q.shape[0]
-    W = ost.ring_k.shape[2]
-    host_k, host_v = _write_token(host_k, host_v, host_layer, old_lengths, k_new, v_new)
-    if isinstance(policy, FullKV):  # stream the whole layer to the device
-        S = host_k.shape[3]
-        k_all, v_all = host_gather(host_k, host_v, host_layer, jnp.broadcast_to(jnp.arange(S), (B, host_k.shape[2], S)))
-        moved = jnp.float32(B * host_k.shape[2] * S)
-        ost = ost.replace(step=ost.step + 1, fetched=ost.fetched + moved)
-        return decode_attention(q, k_all, v_all, lengths), state, ost, host_k, host_v
-    K = k_new.shape[1]
-    slot = row_index(jnp.broadcast_to((old_lengths % W)[:, None, None], (B, K, 1)))
-    ost = ost.replace(ring_k=scatter_rows(ost.ring_k, slot, k_new[:, :, None]),
-                      ring_v=scatter_rows(ost.ring_v, slot, v_new[:, :, None]))
+        k = to_device(_on_host(gather, self.store.k))
+        v = to_device(_on_host(gather, self.store.v))
+        return k.reshape(B, h, n, H), v.reshape(B, h, n, H)
 
-    def recent_keys():
-        pos = policy.indexed_upto(state)[:, None] + jnp.arange(W)  # [B, W]
-        return jnp.take_along_axis(ost.ring_k, (pos % W)[:, None, :, None], axis=2)
+    def window(self, idx):
+        B, W = idx.shape
+        K = self.store.ring_k.shape[2]
+        slots = row_index(jnp.broadcast_to((idx % self.store.ring_k.shape[3])[:, None, :], (B, K, W)), self.index)
+        return gather_rows(self.store.ring_k, slots), gather_rows(self.store.ring_v, slots)
 
-    state = policy.index_recent(state, recent_keys, lengths, prompt_lengths)
-    idx, mask = policy.select(state, q, None, lengths, prompt_lengths)  # [B, h, M]
-    k_sel, v_sel, ost = recall_rows(ost, idx, mask, host_k, host_v, host_layer, policy.cache_steps)
-    w_idx, w_mask = recent_window(lengths, policy.indexed_upto(state), W)  # [B, W]
-    ring_slots = (w_idx % W)[:, None, :, None]
-    k_win = jnp.take_along_axis(ost.ring_k, ring_slots, axis=2)  # [B, K, W, H]
-    v_win = jnp.take_along_axis(ost.ring_v, ring_slots, axis=2)
-    out = selection_and_window_attention(q, k_sel, v_sel, mask, k_win, v_win, w_mask)
-    return out, state, ost, host_k, host_v
+    @jax.named_scope("recall")
+    def read(self, idx, mask):
+        """Rows for the selection idx/mask [B, h, M]: recall-cache hits from the device, misses from the host."""
+        rc = self.store.recall
+        at = self.index
+        B, h, M = idx.shape
+        H = self.store.k.shape[4]
+        R = rc.steps
+        count = lambda a, x: a.at[at].add(x)
+        if R == 0:  # no cache: every selected row crosses
+            k, v = self.host_gather(idx)
+            rc = rc.replace(step=count(rc.step, 1), selected=count(rc.selected, jnp.sum(mask)),
+                            fetched=count(rc.fetched, float(B * h * M)))
+            return k, v, HostLayer(self.store.replace(recall=rc), at)
+        layer_of = lambda x: jax.lax.dynamic_index_in_dim(x, at, keepdims=False)
+        # Look each slot up among the R·M cached positions: sort once, then binary search.
+        cached = layer_of(rc.ids).reshape(B, h, R * M)
+        order = jnp.argsort(cached, axis=-1)
+        sorted_ids = jnp.take_along_axis(cached, order, axis=-1)
+        pos = jax.vmap(jax.vmap(lambda s, q: jnp.searchsorted(s, q)))(sorted_ids, idx)
+        pos = jnp.minimum(pos, R * M - 1)
+        hit = (jnp.take_along_axis(sorted_ids, pos, axis=-1) == idx) & mask  # [B, h, M]
+        where_cached = jnp.take_along_axis(order, pos, axis=-1)[..., None]
+        cached_k = jnp.take_along_axis(layer_of(rc.k).reshape(B, h, R * M, H), where_cached, axis=2)
+        cached_v = jnp.take_along_axis(layer_of(rc.v).reshape(B, h, R * M, H), where_cached, axis=2)
+
+        # Misses first (stable), then fetch only as many rows as the fullest head needs, rounded up to a bucket.
+        miss = mask & ~hit
+        miss_first = jnp.argsort(~miss, axis=-1, stable=True)  # [B, h, M]
+        miss_ids = jnp.take_along_axis(idx, miss_first, axis=-1)
+        buckets = _miss_buckets(M)
+        most = jnp.max(jnp.sum(miss, axis=-1))
+        bucket = jnp.sum(jnp.array(buckets[:-1]) < most)  # index of the smallest bucket holding `most`
+
+        def fetch(n):
+            def run(_):
+                k, v = self.host_gather(miss_ids[..., :n])  # [B, h, n, H]
+                dest = miss_first[..., :n]
+                put = jax.vmap(jax.vmap(lambda z, d, r: z.at[d].set(r)))
+                zeros = jnp.zeros((B, h, M, H), k.dtype)
+                return put(zeros, dest, k), put(zeros, dest, v), jnp.float32(B * h * n)
+            return run
+
+        fetched_k, fetched_v, moved = jax.lax.switch(bucket, [fetch(n) for n in buckets], None)
+        k = jnp.where(hit[..., None], cached_k.astype(fetched_k.dtype), fetched_k)
+        v = jnp.where(hit[..., None], cached_v.astype(fetched_v.dtype), fetched_v)
+        slot = layer_of(rc.step) % R
+        put = lambda a, x: jax.lax.dynamic_update_index_in_dim(
+            a, jax.lax.dynamic_update_index_in_dim(layer_of(a), x.astype(a.dtype), slot, axis=2), at, axis=0)
+        rc = rc.replace(
+            ids=put(rc.ids, jnp.where(mask, idx, -1)), k=put(rc.k, k), v=put(rc.v, v),
+            step=count(rc.step, 1), hits=count(rc.hits, jnp.sum(hit)), selected=count(rc.selected, jnp.sum(mask)),
+            fetched=count(rc.fetched, moved),
+        )
+        return k, v, HostLayer(self.store.replace(recall=rc), at)
 
 
 def hit_rates(cache) -> list[float | None]:
-    """Per layer: fraction of selected rows served from the device cache (None where nothing was selected)."""
-    ost = cache.offload_state
-    hits, selected = jax.device_get((ost.hits, ost.selected))
-    return [float(h / s) if s else None for h, s in zip(hits, selected)]
-
-
-def selection_shape(policy, config, policy_state, batch_size: int) -> tuple[int, int, int]:
-    """(B, h, M) of the policy's budgeted selection, found by tracing `select` on one layer's state."""
-    from clusterkv_jax.policies.full import FullKV
-
-    layer_state = jax.tree.map(lambda x: x[0], policy_state)
-    if isinstance(policy, FullKV):  # streams whole layers; no selection, no cache
-        return (batch_size, config.num_kv_heads, 1)
-    q = jax.ShapeDtypeStruct((batch_size, config.num_heads, config.head_dim), jnp.float32)
-    lengths = jax.ShapeDtypeStruct((batch_size,), jnp.int32)
-    idx, _ = jax.eval_shape(lambda s, q, n: policy.select(s, q, None, n, n), layer_state, q, lengths)
-    return idx.shape
+    """Per model layer: the fraction of selected rows served from the device recall cache (None for layers
+    that select nothing or keep their KV on the device)."""
+    rates: list[float | None] = []
+    for group in cache.groups:
+        recall = getattr(group.store, "recall", None)
+        if recall is None:
+            rates += [None] * group.num_layers
+            continue
+        hits, selected = jax.device_get((recall.hits, recall.selected))
+        rates += [float(h / s) if s else None for h, s in zip(hits, selected)]
+    return rates

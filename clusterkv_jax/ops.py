@@ -1,19 +1,77 @@
-"""Small array ops written so that XLA's SPMD partitioner keeps sharded leading dims local."""
+"""Small array ops written so that XLA's SPMD partitioner keeps sharded leading dims local.
+
+Everything here treats the leading (batch, head) dims of its operands as independent problems: row gathers and
+scatters use them as batching dims, `map_leading` vmaps over them, and `per_shard` runs a function (a Pallas
+kernel, which the partitioner cannot split) on each device's shard of them under `shard_map`.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from pallas_kernels.dispatch import map_leading  # noqa: F401  (re-exported: vmap over batch and heads)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardAxes:
+    """The mesh a program is traced for, and the mesh axis (or None: replicated) of its batch and head dims."""
+
+    mesh: object  # jax.sharding.Mesh or AbstractMesh
+    batch: str | None
+    heads: str | None
+
+
+_SHARD_AXES: contextvars.ContextVar[ShardAxes | None] = contextvars.ContextVar("shard_axes", default=None)
+
+
+@contextlib.contextmanager
+def sharded_trace(axes: ShardAxes | None):
+    """While tracing under `axes` (set by `clusterkv_jax.generate` from its sharding rules), mesh-aware ops
+    pick their per-shard forms. With None, nothing changes."""
+    if axes is None:
+        yield
+        return
+    token = _SHARD_AXES.set(axes)
+    try:
+        with jax.sharding.use_abstract_mesh(axes.mesh.abstract_mesh if hasattr(axes.mesh, "abstract_mesh")
+                                            else axes.mesh):
+            yield
+    finally:
+        _SHARD_AXES.reset(token)
+
+
+def _multi_device() -> ShardAxes | None:
+    axes = _SHARD_AXES.get()
+    if axes is None or axes.mesh.size == 1:
+        return None
+    return axes
+
+
+def per_shard(fn, *args):
+    """fn(*args) where every operand and result has leading dims [B, heads, ...]: under a multi-device mesh,
+    run once per device on its shard of B and heads (`shard_map`), so a Pallas kernel stays a local custom call
+    instead of being gathered onto every device; otherwise fn(*args)."""
+    axes = _multi_device()
+    if axes is None:
+        return fn(*args)
+    spec = P(axes.batch, axes.heads)
+    return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), in_specs=spec, out_specs=spec,
+                         check_vma=False)(*args)
 
 
 def top_k_indices(x: jax.Array, k: int) -> jax.Array:
     """Indices of the k largest entries along the last axis, largest first, ties to the lower index.
 
-    `jax.lax.top_k`, except while tracing under a multi-device mesh (`clusterkv_jax.generate` enters the
-    abstract mesh of its sharding rules): there the partitioner would gather a top_k's whole operand when
-    its leading (batch / head) dims are sharded, so a stable sort, which picks the same indices and stays
-    per shard, runs instead. Without a mesh top_k is kept: on CPU it is ~15x faster than the full sort
-    (2,002 page scores x 32 heads: 0.6 vs 10 ms).
+    `jax.lax.top_k`, except while tracing under a multi-device mesh: there the partitioner would gather a
+    top_k's whole operand when its leading (batch / head) dims are sharded, so a stable sort, which picks the
+    same indices and stays per shard, runs instead. Without a mesh top_k is kept: on CPU it is ~15x faster
+    than the full sort (2,002 page scores x 32 heads: 0.6 vs 10 ms).
     """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
@@ -21,9 +79,53 @@ def top_k_indices(x: jax.Array, k: int) -> jax.Array:
     return jnp.argsort(-x, axis=-1, stable=True)[..., :k].astype(jnp.int32)
 
 
-def map_leading(fn, n: int):
-    """fn vmapped over n leading dims: batched without merging them into one, so dims on different mesh
-    axes (batch, heads) stay where they are."""
-    for _ in range(n):
-        fn = jax.vmap(fn)
-    return fn
+# --------------------------------------------------------------------------------------------------------
+# Rows of a KV store: [L, B, K, S, H] (addressed by layer and position) or [B, K, S, H] (by position), with
+# B and K as gather / scatter batching dims. Nothing is reshaped across B or K, so under a mesh (B on "data",
+# K on "model") every shard reads and writes its own rows without a collective.
+# --------------------------------------------------------------------------------------------------------
+
+#: Reads clamp an out-of-range position into [0, S) (the row is masked by the caller anyway).
+READ_MODE = jax.lax.GatherScatterMode.CLIP
+#: Writes drop a row whose position is out of range (a full cache stores nothing more).
+WRITE_MODE = jax.lax.GatherScatterMode.FILL_OR_DROP
+
+
+def _row_dims(ndim: int):
+    if ndim == 5:
+        return dict(collapsed=(0, 3), index_map=(0, 3), batching=(1, 2))
+    return dict(collapsed=(2,), index_map=(2,), batching=(0, 1))
+
+
+def row_index(positions: jax.Array, layer: jax.Array | int | None = None) -> jax.Array:
+    """positions [B, K, n] (and a layer, for [L, B, K, S, H] stores) -> indices [B, K, n, 2 or 1]."""
+    positions = positions.astype(jnp.int32)
+    if layer is None:
+        return positions[..., None]
+    layer = jnp.broadcast_to(jnp.asarray(layer, jnp.int32), positions.shape)
+    return jnp.stack([layer, positions], axis=-1)
+
+
+def gather_rows(store: jax.Array, index: jax.Array, mode=READ_MODE) -> jax.Array:
+    """store [L, B, K, S, H] or [B, K, S, H], index [B, K, n, .] from `row_index` -> rows [B, K, n, H]."""
+    d = _row_dims(store.ndim)
+    dims = jax.lax.GatherDimensionNumbers(offset_dims=(3,), collapsed_slice_dims=d["collapsed"],
+                                          start_index_map=d["index_map"], operand_batching_dims=d["batching"],
+                                          start_indices_batching_dims=(0, 1))
+    return jax.lax.gather(store, index, dims, slice_sizes=(1,) * (store.ndim - 1) + (store.shape[-1],), mode=mode)
+
+
+def scatter_rows(store: jax.Array, index: jax.Array, rows: jax.Array, mode=WRITE_MODE) -> jax.Array:
+    """Writes rows [B, K, n, H] at index [B, K, n, .] (from `row_index`) into store; returns the store."""
+    d = _row_dims(store.ndim)
+    dims = jax.lax.ScatterDimensionNumbers(update_window_dims=(3,), inserted_window_dims=d["collapsed"],
+                                           scatter_dims_to_operand_dims=d["index_map"],
+                                           operand_batching_dims=d["batching"], scatter_indices_batching_dims=(0, 1))
+    return jax.lax.scatter(store, index, rows.astype(store.dtype), dims, mode=mode)
+
+
+def per_kv_head(idx: jax.Array, num_kv_heads: int) -> jax.Array:
+    """A selection idx [B, h, M] (h = query heads, or KV heads) as [B, K, (h // K) * M]: each KV head's rows for
+    all of its selection heads, so one gather per KV head reads them."""
+    B, h, M = idx.shape
+    return idx.reshape(B, num_kv_heads, (h // num_kv_heads) * M)

@@ -14,14 +14,18 @@ What each array gets (`data` / `model` are the mesh axes; "-" is replicated):
 | q / k / v [L, D, heads, H], their biases | heads on model |
 | o [L, N, H, D] | N on model |
 | gate / up [L, D, F], down [L, F, D] | F on model |
-| cache k / v [L, B, K, S, H] | (-, data, model, -, -) |
+| a group's store k / v [n, B, K, S, H] | (-, data, model, -, -) |
 | lengths, prompt_lengths [B] | (data) |
-| policy state and offload state leaves | the B dim on data, the KV / selection-head dim on model |
-| host_k / host_v [Lc, B, K, S, H] | (-, data, model, -, -), memory kind pinned_host |
+| policy state, window ring and recall cache leaves | the B dim on data, the KV / selection-head dim on model |
+| a host store's k / v [n, B, K, S, H] | (-, data, model, -, -), memory kind pinned_host |
 
 Which dims of a policy's state are B and heads is found by tracing `init_cache` at two batch sizes and two
 head counts (so custom policies work unchanged): a dim that follows the batch size is sharded on "data", a
-dim that follows the KV or query head count on "model"; anything else is replicated.
+dim that follows the KV or query head count on "model"; anything else is replicated. Where each array lives
+(device or host memory) the stores say (`cache.memory_kinds`).
+
+The Pallas kernels are custom calls the partitioner cannot split; `ops.per_shard` runs them under `shard_map`,
+once per device on its shard of the batch and heads, so a sharded ClusterKV keeps its kernels.
 
 Fallbacks (results never change, only the layout): when the query or the KV heads do not divide the "model"
 axis (SmolLM2: 9 / 3 heads), attention weights, the KV cache and the policy state are replicated over
@@ -43,8 +47,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from clusterkv_jax.cache import KVCache, init_cache
+from clusterkv_jax.cache import KVCache, init_cache, memory_kinds
 from clusterkv_jax.config import ModelConfig
+from clusterkv_jax.model import param_shapes
+from clusterkv_jax.offload import host_memory_kind
+from clusterkv_jax.ops import ShardAxes
 
 AXES = ("data", "model")
 _warned: set = set()
@@ -133,19 +140,6 @@ def request_host_devices(spec: str | Mapping[str, int]) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
-def policy_for_mesh(policy, mesh):
-    """The policy to run on `mesh`. The Pallas kernels are custom calls that XLA's partitioner cannot split
-    (it would gather their operands onto every device), so on a mesh of more than one device a ClusterKV
-    whose kernels resolve to "pallas" runs the reference (pure JAX) path instead, with a warning once."""
-    mesh = make_mesh(mesh)
-    if mesh.size > 1 and hasattr(policy, "kernels") and getattr(policy, "kernel", None) == "pallas":
-        _warn_once(("pallas", type(policy).__name__),
-                   f"{type(policy).__name__}: the Pallas kernels cannot be partitioned over a mesh; using "
-                   f"kernels='reference' (pure JAX, sharded by XLA) on {dict(mesh.shape)}")
-        return dataclasses.replace(policy, kernels="reference")
-    return policy
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Rules: which mesh axis each logical dimension uses for one (model, batch size)
 # ----------------------------------------------------------------------------------------------------------
@@ -163,6 +157,11 @@ class ShardingRules:
 
     def named(self, spec: P, memory_kind: str | None = None) -> NamedSharding:
         return NamedSharding(self.mesh, spec, memory_kind=memory_kind)
+
+    @property
+    def shard_axes(self) -> ShardAxes:
+        """What `ops.sharded_trace` needs: the mesh and the axes of the batch and head dims."""
+        return ShardAxes(self.mesh, self.batch, self.heads)
 
 
 def sharding_rules(config: ModelConfig, mesh: Mesh | str | Mapping[str, int], batch_size: int | None = None,
@@ -204,8 +203,6 @@ def _as_rules(config, mesh_or_rules, batch_size=None) -> ShardingRules:
 
 def param_specs(config: ModelConfig, rules: ShardingRules) -> dict[str, Any]:
     """PartitionSpecs in the layout of `model.param_shapes`: Megatron-style heads / MLP split on "model"."""
-    from clusterkv_jax.model import param_shapes
-
     h, f = rules.heads, rules.mlp
     by_name = {
         "q": P(None, None, h, None), "k": P(None, None, h, None), "v": P(None, None, h, None),
@@ -272,21 +269,16 @@ def cache_specs(config: ModelConfig, policy, batch_size: int, capacity: int, dty
 
 
 def cache_shardings(config: ModelConfig, policy, batch_size: int, capacity: int, dtype, mesh) -> KVCache:
-    """A KVCache of NamedShardings; host_k / host_v keep the host memory kind (pinned_host)."""
-    from clusterkv_jax import offload
-
+    """A KVCache of NamedShardings, each with the memory kind its store gives it (host stores: pinned_host)."""
     rules = _as_rules(config, mesh, batch_size)
     specs = cache_specs(config, policy, batch_size, capacity, dtype, rules)
-    shardings = jax.tree.map(rules.named, specs, is_leaf=lambda x: isinstance(x, P))
-    if specs.host_k is not None:
-        kind = offload.host_memory_kind()
-        if kind not in (None, "pinned_host"):
-            raise NotImplementedError(
-                f"host offload on a mesh needs the pinned_host memory kind; {jax.devices()[0].platform} only "
-                f"has {kind}. Use offload=False, or no mesh")
-        kind = kind or "device"
-        shardings = shardings.replace(host_k=rules.named(specs.host_k, kind), host_v=rules.named(specs.host_v, kind))
-    return shardings
+    kinds = memory_kinds(_cache_shapes(config, policy, batch_size, capacity, dtype))
+    if any(k != "device" for k in jax.tree_util.tree_leaves(kinds)) and host_memory_kind() != "pinned_host":
+        raise NotImplementedError(
+            f"host offload on a mesh needs the pinned_host memory kind; {jax.devices()[0].platform} only "
+            f"has {host_memory_kind()}. Use offload=False, or no mesh")
+    return jax.tree.map(lambda spec, kind: rules.named(spec, kind), specs, kinds,
+                        is_leaf=lambda x: isinstance(x, P))
 
 
 def constrain_cache(cache: KVCache, shardings: KVCache) -> KVCache:

@@ -1,4 +1,4 @@
-"""A new KV selection policy in under 50 lines, used with `generate` like the built-in ones.
+"""A new KV selection policy in under 40 lines, used with `generate` like the built-in ones.
 
 `LowKeyNorm` attends the sinks, the `recent` latest tokens, and the prompt tokens whose keys have the
 smallest L2 norm (a query-independent heuristic: low-norm keys tend to draw high attention; Devoto et al.,
@@ -6,18 +6,22 @@ smallest L2 norm (a query-independent heuristic: low-norm keys tend to draw high
 recallable: the norm ranking is fixed after prefill, whatever the queries later ask for.
 
 The hooks (see `clusterkv_jax/policies/base.py`; shapes: B batch, N query heads, K KV heads, S cache
-capacity, H head dim). The model calls them inside its `lax.scan` over layers, for layers >= `full_layers`
-only, so everything is traced: static shapes, no Python branching on array values.
+capacity, H head dim). The model calls them inside its `lax.scan` over the layers >= `full_layers`, one layer
+at a time, so everything is traced: static shapes, no Python branching on array values. A policy only chooses
+tokens: reading their keys and values (from device or host memory) and attending is the model's job.
 
-- `init_state(config, batch_size, capacity)`: the empty state of every layer, a pytree whose leaves have a
-  leading [num_layers] axis (the scan hands each layer its slice). Here: the chosen positions [L, B, K, M].
+- `init_state(config, batch_size, capacity)`: one layer's empty state, a pytree of arrays (the model stacks
+  one per selecting layer). Here: the chosen positions [B, K, M].
 - `after_prefill(state, keys, lengths)`: called once per layer after the prompt, with that layer's post-RoPE
   keys [B, K, S, H] (rows >= lengths[b] are padding); returns the layer's new state. Here: rank the norms.
 - `select(state, q, keys, lengths, prompt_lengths)`: the budgeted selection for the new token's queries
   q [B, N, H]: positions idx and a validity mask, [B, N, M] (one set per query head) or [B, K, M] (one per
-  KV head, shared by its query heads). The recall evaluation calls it too.
-- `decode_attention(state, q, keys, values, lengths, prompt_lengths)`: the attention output [B, N, H] and
-  the layer's next state; `policies.common.attend_to_indices` does the gather + softmax over a selection.
+  KV head, shared by its query heads). `keys` is None unless the policy sets `reads_all_keys`. The recall
+  evaluation calls it too.
+- `selection_shape(config, batch_size, capacity)`: (B, h, M) of that selection, declared so that buffers
+  (host offload's recall cache) can be sized before anything runs.
+- Optional: `window_size` / `window_start` / `index_recent`, a window of recent tokens the policy has not
+  indexed yet, attended in full (ClusterKV's not-yet-clustered tokens); `metadata_bytes` for the roofline.
 
 A policy is a frozen dataclass, so it is hashable and `jax.jit` treats it as a static argument: each
 distinct setting compiles once. Budget rule: B counts every attended token, sinks and recent ones included.
@@ -39,10 +43,10 @@ import jax
 import jax.numpy as jnp
 
 import clusterkv_jax as ckv
-from clusterkv_jax.policies.common import attend_to_indices, expand_heads, recent_window, sink_slots
+from clusterkv_jax.policies.common import expand_heads, recent_window, sink_slots
 
 
-# --- the policy (36 lines) ---------------------------------------------------------------------------
+# --- the policy (31 lines) ---------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class LowKeyNorm(ckv.KVPolicy):
     budget: int = 128
@@ -56,7 +60,11 @@ class LowKeyNorm(ckv.KVPolicy):
 
     def init_state(self, config, batch_size, capacity):
         slots = min(self.budget - self.sinks - self.recent, capacity)  # positions ranked by key norm
-        return jnp.zeros((config.num_layers, batch_size, config.num_kv_heads, slots), jnp.int32)
+        return jnp.zeros((batch_size, config.num_kv_heads, slots), jnp.int32)
+
+    def selection_shape(self, config, batch_size, capacity):
+        return (batch_size, config.num_kv_heads, self.sinks + min(self.budget - self.sinks - self.recent, capacity)
+                + self.recent)
 
     def after_prefill(self, state, keys, lengths):
         pos = jnp.arange(keys.shape[2])
@@ -66,7 +74,7 @@ class LowKeyNorm(ckv.KVPolicy):
         return jax.lax.top_k(-norms, state.shape[-1])[1].astype(jnp.int32)  # [B, K, slots] smallest norms
 
     def select(self, state, q, keys, lengths, prompt_lengths):
-        K = keys.shape[1]
+        K = state.shape[1]
         s_idx, s_mask = sink_slots(lengths, self.sinks)  # [B, sinks]
         start = jnp.maximum(jnp.minimum(lengths, self.sinks), lengths - self.recent)  # window start [B]
         r_idx, r_mask = recent_window(lengths, start, self.recent)  # [B, recent]
@@ -74,11 +82,7 @@ class LowKeyNorm(ckv.KVPolicy):
         n_mask = (state >= self.sinks) & (state < jnp.minimum(prompt_lengths, start)[:, None, None])
         idx = jnp.concatenate([expand_heads(s_idx, K), state, expand_heads(r_idx, K)], axis=-1)
         mask = jnp.concatenate([expand_heads(s_mask, K), n_mask, expand_heads(r_mask, K)], axis=-1)
-        return idx, mask  # [B, K, budget]: one selection per KV head
-
-    def decode_attention(self, state, q, keys, values, lengths, prompt_lengths):
-        idx, mask = self.select(state, q, keys, lengths, prompt_lengths)
-        return attend_to_indices(q, keys, values, idx, mask), state  # the ranking never changes
+        return idx, mask  # [B, K, budget]: one selection per KV head; the ranking never changes
 
 
 # --- using it -------------------------------------------------------------------------------------------

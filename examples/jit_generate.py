@@ -45,7 +45,7 @@ def greedy_loop(model, prompt: list[int], max_new_tokens: int, policy: ckv.KVPol
     dtype = jax.tree_util.tree_leaves(params)[0].dtype
     cache = ckv.init_cache(config, policy, 1, cache_capacity(bucket, max_new_tokens), dtype)
 
-    old_k = cache.k
+    old_k = cache.groups[0].store.k  # the first layer group's keys
     logits, cache = ckv.prefill(params, jnp.asarray(tokens), lengths, cache, config=config, policy=policy)
     if old_k.is_deleted():
         print("    prefill donated the empty cache: its buffers now hold the filled cache")

@@ -10,10 +10,11 @@ masked tokens label C; -1 is ignored alike. The keys of such tokens are zeroed b
 NaN/inf in a padding row cannot leak into any sum.
 
 The kernel builds one-hot tiles onehot[BN, BC] = (labels[:, None] == c_ids[None, :]) and accumulates
-dot(onehotᵀ, keys_blk) on the matrix units. It is deterministic: no atomics. The grid is
-(C-blocks, N-splits, P); each program loops over its N-blocks, and when N is split across programs the
-per-split partial sums are added by XLA in a fixed order. C-blocks vary fastest, so the programs that
-read the same key tile run side by side and share it through L2.
+dot(onehotᵀ, keys_blk) on the matrix units. It is deterministic: no atomics. The kernel solves one problem on
+the grid (C-blocks, N-splits); each program loops over its N-blocks, and when N is split across programs the
+per-split partial sums are added by XLA in a fixed order. C-blocks vary fastest, so the programs that read the
+same key tile run side by side and share it through L2. `centroid_update` maps it over the leading (batch,
+head) dims with `jax.vmap`, which Pallas turns into more grid dims of the same launch.
 
 float32 keys are split exactly into `passes` bfloat16 terms (hi + mid + lo carry all 24 mantissa bits), so
 with passes=3 (the default) every product onehot × term is exact and the result matches a float32 matmul
@@ -26,12 +27,15 @@ Block sizes are powers of two; any N, C, H is handled by masked loads and stores
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.dispatch import map_leading
 
 
 def _next_pow2(x: int) -> int:
@@ -110,20 +114,12 @@ def _auto_num_splits(num_problems: int, c_blocks: int, n_blocks: int) -> int:
 
 @functools.partial(
     jax.jit,
-    static_argnames=(
-        "num_clusters",
-        "block_n",
-        "block_c",
-        "num_splits",
-        "passes",
-        "num_warps",
-        "num_stages",
-        "interpret",
-    ),
+    static_argnames=("num_clusters", "block_n", "block_c", "num_splits", "passes", "num_warps", "num_stages",
+                     "interpret"),
 )
 def centroid_update(
-    keys: jax.Array,  # [P, N, H] float32 / bfloat16 / float16
-    labels: jax.Array,  # [P, N] int32; outside [0, num_clusters) (C or -1): ignored
+    keys: jax.Array,  # [..., N, H] float32 / bfloat16 / float16
+    labels: jax.Array,  # [..., N] int32; outside [0, num_clusters) (C or -1): ignored
     num_clusters: int,
     *,
     block_n: int = 64,
@@ -134,7 +130,7 @@ def centroid_update(
     num_stages: int = 2,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """Per-cluster key sums [P, C, H] float32 and member counts [P, C] int32, in one kernel launch.
+    """Per-cluster key sums [..., C, H] float32 and member counts [..., C] int32, in one kernel launch.
 
     Equal (up to float32 summation order) to `centroid_update_reference`. `passes` (1..3) is the number of
     bfloat16 terms float32 keys are split into; 3 is exact. `num_splits` splits N across programs
@@ -143,10 +139,10 @@ def centroid_update(
     The launch defaults (8 warps, 2 stages) compile without register spills for sm80 and sm90 at H <= 128
     (checked offline with `check_lowering --ptx`); they are not tuned on hardware.
     """
-    assert keys.ndim == 3, f"keys must be [P, N, H], got {keys.shape}"
-    P, N, H = keys.shape
+    assert keys.ndim >= 2, f"keys must be [..., N, H], got {keys.shape}"
+    *lead, N, H = keys.shape
     C = int(num_clusters)
-    assert labels.shape == (P, N), f"labels {labels.shape} must be [P, N] = {(P, N)}"
+    assert labels.shape == (*lead, N), f"labels {labels.shape} must be [..., N] = {(*lead, N)}"
     assert C >= 1, f"num_clusters must be >= 1, got {C}"
     assert N >= 1 and H >= 1, f"empty keys {keys.shape}"
     assert 1 <= passes <= 3, f"passes must be 1, 2 or 3, got {passes}"
@@ -162,7 +158,8 @@ def centroid_update(
     block_h = max(16, _next_pow2(H))
     c_blocks = pl.cdiv(C, block_c)
     n_blocks = pl.cdiv(N, block_n)
-    splits = _auto_num_splits(P, c_blocks, n_blocks) if num_splits is None else num_splits
+    problems = math.prod(lead)
+    splits = _auto_num_splits(problems, c_blocks, n_blocks) if num_splits is None else num_splits
     assert splits >= 1, f"num_splits must be >= 1, got {splits}"
     splits = min(splits, n_blocks)
     blocks_per_split = pl.cdiv(n_blocks, splits)
@@ -179,38 +176,47 @@ def centroid_update(
         blocks_per_split=blocks_per_split,
         passes=passes,
     )
-    sums, counts = pl.pallas_call(
+    one = pl.pallas_call(
         kernel,
-        grid=(c_blocks, splits, P),
+        grid=(c_blocks, splits),
         in_specs=[
-            pl.BlockSpec((None, N), lambda c, s, p: (p, 0)),  # labels
-            pl.BlockSpec((None, N, H), lambda c, s, p: (p, 0, 0)),  # keys
+            pl.BlockSpec((N,), lambda c, s: (0,)),  # labels
+            pl.BlockSpec((N, H), lambda c, s: (0, 0)),  # keys
         ],
         out_specs=[
-            pl.BlockSpec((None, None, C, H), lambda c, s, p: (p, s, 0, 0)),  # sums
-            pl.BlockSpec((None, None, C), lambda c, s, p: (p, s, 0)),  # counts
+            pl.BlockSpec((None, C, H), lambda c, s: (s, 0, 0)),  # sums: this split's partial sums
+            pl.BlockSpec((None, C), lambda c, s: (s, 0)),  # counts
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((P, splits, C, H), jnp.float32),
-            jax.ShapeDtypeStruct((P, splits, C), jnp.int32),
+            jax.ShapeDtypeStruct((splits, C, H), jnp.float32),
+            jax.ShapeDtypeStruct((splits, C), jnp.int32),
         ],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="centroid_update",
-    )(labels, keys)
+    )
+    sums, counts = map_leading(one, len(lead))(labels, keys)  # [..., splits, C, H], [..., splits, C]
     if splits == 1:
-        return sums[:, 0], counts[:, 0]
-    return jnp.sum(sums, axis=1), jnp.sum(counts, axis=1)
+        return sums[..., 0, :, :], counts[..., 0, :]
+    return jnp.sum(sums, axis=-3), jnp.sum(counts, axis=-2)
+
+
+def _reference_one(keys: jax.Array, labels: jax.Array, num_clusters: int):
+    """One problem: keys [N, H], labels [N] -> sums [C, H] float32, counts [C] int32, by a one-hot matmul at
+    full float32 precision (no TF32 or bfloat16 passes on any device)."""
+    onehot = jax.nn.one_hot(labels, num_clusters, dtype=jnp.float32)  # [N, C]; out-of-range: zero row
+    # Padding rows may hold anything (NaN included): 0 · NaN would poison the matmul.
+    x = jnp.where(((labels >= 0) & (labels < num_clusters))[:, None], keys.astype(jnp.float32), 0.0)
+    sums = jnp.einsum("NC,NH->CH", onehot, x, precision=lax.Precision.HIGHEST)
+    counts = jnp.sum(onehot, axis=0).astype(jnp.int32)
+    return sums, counts
 
 
 @functools.partial(jax.jit, static_argnames=("num_clusters",))
 def centroid_update_reference(
-    keys: jax.Array,  # [P, N, H]
-    labels: jax.Array,  # [P, N] int32; outside [0, num_clusters): ignored
+    keys: jax.Array,  # [..., N, H]
+    labels: jax.Array,  # [..., N] int32; outside [0, num_clusters): ignored
     num_clusters: int,
 ) -> tuple[jax.Array, jax.Array]:
-    """Pure-jnp one-hot matmul: sums [P, C, H] float32, counts [P, C] int32 (as kmeans._member_sums)."""
-    onehot = jax.nn.one_hot(labels, num_clusters, dtype=jnp.float32)  # [P, N, C]; out-of-range: zero row
-    sums = jnp.einsum("PNC,PNH->PCH", onehot, keys.astype(jnp.float32), precision=lax.Precision.HIGHEST)
-    counts = jnp.sum(labels[..., None] == jnp.arange(num_clusters), axis=1, dtype=jnp.int32)
-    return sums, counts
+    """Pure jnp, the same problems as `centroid_update`: sums [..., C, H] float32, counts [..., C] int32."""
+    return map_leading(functools.partial(_reference_one, num_clusters=num_clusters), labels.ndim - 1)(keys, labels)

@@ -145,13 +145,15 @@ def main(argv=None) -> int:
         for dtype in (jnp.float32, jnp.bfloat16):
             name = f"centroid_update C={C}"
             fn = functools.partial(centroid_update, num_clusters=C)
-            kernels = _check(name, fn, S((P, N, H), dtype), S((P, N), i32))
+            kernels = _check(name, fn, S((1, P, N, H), dtype), S((1, P, N), i32))  # [B, K, N, H]
             results.append((f"centroid_update {jnp.dtype(dtype).name} H={H}", kernels))
-    # Per KV head (gqa "shared"), and per query head (gqa "per_head", 4 query heads per KV head).
+    # Per KV head (gqa "shared": sizes [B, K, C]), and per query head (gqa "per_head": sizes [B, K, G, C], 4 query
+    # heads per KV head sharing its token list [B, K, S]).
     for group in (1, 4):
         name = f"cluster_to_token_index M={M} group={group}"
-        fn = functools.partial(cluster_to_token_index, slots=M, group=group)
-        kernels = _check(name, fn, S((group * P, C), i32), S((group * P, C), i32), S((P, N), i32))
+        fn = functools.partial(cluster_to_token_index, slots=M)
+        ranked = (1, P, group, C) if group > 1 else (1, P, C)
+        kernels = _check(name, fn, S(ranked, i32), S(ranked, i32), S((1, P, N), i32))
         results.append((name, kernels))
     ok = all(k is not None for _, k in results)
     print("all kernels lowered for cuda" if ok else "LOWERING FAILED")

@@ -14,7 +14,11 @@ BC, keeps the running prefix sum (in-kernel `cumsum`, a Triton scan), and for ea
 st_c + j − excl_c over the one cluster c whose [excl_c, cum_c) contains j (zero-size clusters contain
 nothing). It stops as soon as the prefix sum covers every slot of its block, so with a budget of ~1000
 tokens and ~80 tokens per cluster it reads only the first chunk. The one gather is the final token load.
-One launch for all problems; grid (P, M-blocks).
+
+The kernel solves one problem (grid: M-blocks); `cluster_to_token_index` maps it over the leading dims with
+`jax.vmap`, which Pallas turns into more grid dims of the same launch. A token list may serve several
+problems (the G query heads of a KV head rank clusters apart but share its token list): leading dims of
+the sizes beyond those of the token list are mapped with the token list unbatched, so it is never copied.
 
 Sizes must be >= 0 (the ranking gives unused cluster slots size 0). Token offsets are clamped to
 [0, S) so that inconsistent metadata cannot read out of bounds.
@@ -48,7 +52,7 @@ def _cluster_index_kernel(
     block_m: int,
     block_c: int,
 ):
-    j0 = pl.program_id(1) * block_m
+    j0 = pl.program_id(0) * block_m
     j = j0 + jnp.arange(block_m, dtype=jnp.int32)  # [block_m] slot ids
     num_chunks = pl.cdiv(num_clusters, block_c)
     last_slot = j0 + block_m - 1
@@ -83,90 +87,87 @@ def _cluster_index_kernel(
     plgpu.store(mask_ref.at[pl.ds(j0, block_m)], valid, mask=in_range)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("slots", "group", "block_m", "block_c", "num_warps", "num_stages", "interpret")
-)
+def map_problems(one, ranked_sizes, ranked_starts, sorted_tokens):
+    """one(sizes [C], starts [C], tokens [S]) over every problem: sizes / starts [*lead, C] and tokens
+    [*lead_t, S] with lead_t a prefix of lead. The dims of lead_t map all three; the rest of lead map the sizes
+    and starts with the token list unbatched (shared, not copied)."""
+    shared = sorted_tokens.ndim - 1
+    extra = ranked_sizes.ndim - 1 - shared
+    assert ranked_sizes.shape == ranked_starts.shape, (ranked_sizes.shape, ranked_starts.shape)
+    assert extra >= 0 and ranked_sizes.shape[:shared] == sorted_tokens.shape[:-1], (
+        f"sorted_tokens {sorted_tokens.shape} must lead like ranked_sizes {ranked_sizes.shape}")
+    fn = one
+    for _ in range(extra):
+        fn = jax.vmap(fn, in_axes=(0, 0, None))
+    for _ in range(shared):
+        fn = jax.vmap(fn)
+    return fn(ranked_sizes.astype(jnp.int32), ranked_starts.astype(jnp.int32), sorted_tokens.astype(jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("slots", "block_m", "block_c", "num_warps", "num_stages", "interpret"))
 def cluster_to_token_index(
-    ranked_sizes: jax.Array,  # [P, C] int32, clusters in descending score order
-    ranked_starts: jax.Array,  # [P, C] int32 offsets into sorted_tokens, same order
-    sorted_tokens: jax.Array,  # [P // group, S] int32 token positions grouped by cluster
+    ranked_sizes: jax.Array,  # [..., C] int32, clusters in descending score order
+    ranked_starts: jax.Array,  # [..., C] int32 offsets into sorted_tokens, same order
+    sorted_tokens: jax.Array,  # [..., S] int32 token positions grouped by cluster (leading dims: a prefix)
     slots: int,
     *,
-    group: int = 1,
     block_m: int = 128,
     block_c: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """Token positions idx [P, M] int32 and mask [P, M] bool of the M = `slots` budget slots, one launch.
+    """Token positions idx [..., M] int32 and mask [..., M] bool of the M = `slots` budget slots, one launch.
 
-    Equal to `cluster_to_token_index_reference` (the part of `rank_and_index` after the argsort).
-    Problem p reads sorted_tokens[p // group]: with per-query-head ranking under GQA, pass the KV heads'
-    token lists once and group = query heads per KV head, instead of repeating them.
+    Equal to `cluster_to_token_index_reference`. See `map_problems` for how the token list is shared.
     """
-    assert ranked_sizes.ndim == 2, f"ranked_sizes must be [P, C], got {ranked_sizes.shape}"
-    P, C = ranked_sizes.shape
-    assert ranked_starts.shape == (P, C), f"ranked_starts {ranked_starts.shape} must be [P, C] = {(P, C)}"
-    assert group >= 1 and P % group == 0, f"group={group} must divide P={P}"
-    assert sorted_tokens.ndim == 2 and sorted_tokens.shape[0] == P // group, (
-        f"sorted_tokens {sorted_tokens.shape} must be [P // group, S] = [{P // group}, S]"
-    )
-    S = sorted_tokens.shape[1]
-    M = int(slots)
+    C, S, M = ranked_sizes.shape[-1], sorted_tokens.shape[-1], int(slots)
     assert M >= 1 and C >= 1 and S >= 1, f"need slots, C and S >= 1, got {M=}, {C=}, {S=}"
     for name, b in (("block_m", block_m), ("block_c", block_c)):
         assert b >= 1 and b & (b - 1) == 0, f"{name}={b} must be a power of two"
     block_m = min(block_m, _next_pow2(M))
     block_c = min(block_c, _next_pow2(C))
-
-    kernel = functools.partial(
-        _cluster_index_kernel,
-        num_clusters=C,
-        num_tokens=S,
-        slots=M,
-        block_m=block_m,
-        block_c=block_c,
-    )
-    return pl.pallas_call(
+    kernel = functools.partial(_cluster_index_kernel, num_clusters=C, num_tokens=S, slots=M, block_m=block_m,
+                               block_c=block_c)
+    one = pl.pallas_call(
         kernel,
-        grid=(P, pl.cdiv(M, block_m)),
+        grid=(pl.cdiv(M, block_m),),
         in_specs=[
-            pl.BlockSpec((None, C), lambda p, m: (p, 0)),  # ranked_sizes
-            pl.BlockSpec((None, C), lambda p, m: (p, 0)),  # ranked_starts
-            pl.BlockSpec((None, S), lambda p, m: (p // group, 0)),  # sorted_tokens
+            pl.BlockSpec((C,), lambda m: (0,)),  # ranked_sizes
+            pl.BlockSpec((C,), lambda m: (0,)),  # ranked_starts
+            pl.BlockSpec((S,), lambda m: (0,)),  # sorted_tokens
         ],
         out_specs=[
-            pl.BlockSpec((None, M), lambda p, m: (p, 0)),  # idx
-            pl.BlockSpec((None, M), lambda p, m: (p, 0)),  # mask
+            pl.BlockSpec((M,), lambda m: (0,)),  # idx
+            pl.BlockSpec((M,), lambda m: (0,)),  # mask
         ],
-        out_shape=[
-            jax.ShapeDtypeStruct((P, M), jnp.int32),
-            jax.ShapeDtypeStruct((P, M), jnp.bool_),
-        ],
+        out_shape=[jax.ShapeDtypeStruct((M,), jnp.int32), jax.ShapeDtypeStruct((M,), jnp.bool_)],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="cluster_to_token_index",
-    )(ranked_sizes.astype(jnp.int32), ranked_starts.astype(jnp.int32), sorted_tokens.astype(jnp.int32))
+    )
+    return map_problems(one, ranked_sizes, ranked_starts, sorted_tokens)
+
+
+def _reference_one(ranked_sizes, ranked_starts, sorted_tokens, slots: int):
+    """One problem: sizes, starts [C], tokens [S] -> idx, mask [slots]."""
+    C, S = ranked_sizes.shape[-1], sorted_tokens.shape[-1]
+    cum = jnp.cumsum(ranked_sizes)  # [C] inclusive prefix sums
+    j = jnp.arange(slots, dtype=jnp.int32)
+    # Slot j belongs to the first ranked cluster whose prefix sum exceeds j.
+    r = jnp.minimum(jnp.searchsorted(cum, j, side="right"), C - 1)
+    offset = ranked_starts[r] + (j - (cum[r] - ranked_sizes[r]))
+    idx = sorted_tokens[jnp.clip(offset, 0, S - 1)]
+    mask = j < cum[-1]
+    return jnp.where(mask, idx, 0).astype(jnp.int32), mask
 
 
 @functools.partial(jax.jit, static_argnames=("slots",))
 def cluster_to_token_index_reference(
-    ranked_sizes: jax.Array,  # [P, C] int32
-    ranked_starts: jax.Array,  # [P, C] int32
-    sorted_tokens: jax.Array,  # [P, S] int32
+    ranked_sizes: jax.Array,  # [..., C] int32
+    ranked_starts: jax.Array,  # [..., C] int32
+    sorted_tokens: jax.Array,  # [..., S] int32 (leading dims: a prefix of the sizes')
     slots: int,
 ) -> tuple[jax.Array, jax.Array]:
-    """Pure jnp, as `clusterkv_jax.policies.clusterkv.rank_and_index` after its argsort."""
-    C = ranked_sizes.shape[-1]
-    S = sorted_tokens.shape[-1]
-    cum = jnp.cumsum(ranked_sizes, axis=-1)  # [P, C] inclusive prefix sums
-    j = jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), cum.shape[:-1] + (slots,))
-    # Slot j belongs to the first ranked cluster whose prefix sum exceeds j.
-    r = jax.vmap(lambda c, q: jnp.searchsorted(c, q, side="right"))(cum, j)
-    r_clip = jnp.minimum(r, C - 1)
-    before = jnp.take_along_axis(cum - ranked_sizes, r_clip, axis=-1)
-    offset = jnp.take_along_axis(ranked_starts, r_clip, axis=-1) + (j - before)
-    idx = jnp.take_along_axis(sorted_tokens, jnp.clip(offset, 0, S - 1), axis=-1)
-    mask = j < cum[..., -1:]
-    return jnp.where(mask, idx, 0).astype(jnp.int32), mask
+    """Pure jnp: the same problems, the same mapping as `cluster_to_token_index`."""
+    return map_problems(functools.partial(_reference_one, slots=slots), ranked_sizes, ranked_starts, sorted_tokens)

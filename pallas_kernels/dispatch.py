@@ -1,4 +1,4 @@
-"""When to run the Pallas kernels and when their pure-jnp references.
+"""When to run the Pallas kernels and when their pure-jnp references, and how a one-problem kernel is mapped.
 
 The kernels are Pallas *Triton* kernels: they compile only for an NVIDIA GPU of compute capability >= 8.0
 (Ampere or newer: bfloat16 matrix units). Anywhere else they run only in interpret mode (slow; for tests).
@@ -63,3 +63,11 @@ def use_kernels(mode: str, *, interpret: bool = False) -> bool:
             f"(Pallas Triton kernels); found {where}. Use mode 'auto' or 'reference', or interpret=True."
         )
     return True
+
+
+def map_leading(fn, n: int):
+    """fn vmapped over n leading dims, kept apart (not merged into one), so dims on different mesh axes
+    (batch, heads) stay where they are. A kernel written for one problem gets its batch and heads this way."""
+    for _ in range(n):
+        fn = jax.vmap(fn)
+    return fn

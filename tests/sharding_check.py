@@ -10,6 +10,7 @@ import json
 import re
 import sys
 import time
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ from clusterkv_jax.config import ModelConfig
 from clusterkv_jax.generate import Sampling, decode_step, generate_ids, prefill
 from clusterkv_jax.loading import Model
 from clusterkv_jax.model import init_params
+from pallas_kernels import dispatch
 
 # 4 query / 2 KV heads: model=2 splits them. 6 / 3: it cannot (the fallback replicates them).
 CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
@@ -36,6 +38,8 @@ POLICIES = {
     "full_offload": FullKV(offload=True),
     "clusterkv": ClusterKV(**SMALL),
     "clusterkv_offload": ClusterKV(offload=True, **SMALL),
+    # The Pallas kernels (K-means centroid sums, cluster -> token indexing) in interpret mode, run per shard.
+    "clusterkv_kernels": ClusterKV(kernels="interpret", **SMALL),
 }
 NEW = 16
 LENGTHS = [64, 23, 50, 37, 61, 30, 45, 20]  # one prompt bucket (64): `alone` compiles once per batch size
@@ -100,22 +104,22 @@ def main(out_path: str) -> None:
 
     kv = named(None, "data", "model", None, None)
     c = caches["clusterkv_offload"]
-    ps, ost = c.policy_state, c.offload_state
+    ps, host = c.policy_state, c.selecting.store
     want = {
-        "cache.k": (c.k, kv), "cache.v": (c.v, kv),
+        "cache.k": (c.groups[0].store.k, kv), "cache.v": (c.groups[0].store.v, kv),
         "cache.lengths": (c.lengths, named("data")), "cache.prompt_lengths": (c.prompt_lengths, named("data")),
-        "cache.host_k": (c.host_k, named(None, "data", "model", None, None, kind="pinned_host")),
-        "cache.host_v": (c.host_v, named(None, "data", "model", None, None, kind="pinned_host")),
+        "cache.host_k": (host.k, named(None, "data", "model", None, None, kind="pinned_host")),
+        "cache.host_v": (host.v, named(None, "data", "model", None, None, kind="pinned_host")),
         "clusterkv.centroids": (ps.centroids, named(None, "data", "model", None, None)),
         "clusterkv.sizes": (ps.sizes, named(None, "data", "model", None)),
         "clusterkv.starts": (ps.starts, named(None, "data", "model", None)),
         "clusterkv.sorted_tokens": (ps.sorted_tokens, named(None, "data", "model", None)),
         "clusterkv.clustered_upto": (ps.clustered_upto, named(None, "data")),
-        "offload.ring_k": (ost.ring_k, named(None, "data", "model", None, None)),
-        "offload.cache_ids": (ost.cache_ids, named(None, "data", "model", None, None)),  # [L, B, N, R, M]
-        "offload.cache_k": (ost.cache_k, named(None, "data", "model", None, None, None)),
-        "offload.step": (ost.step, named()),
-        "fullkv.k": (caches["full"].k, kv),
+        "offload.ring_k": (host.ring_k, named(None, "data", "model", None, None)),
+        "offload.cache_ids": (host.recall.ids, named(None, "data", "model", None, None)),  # [n, B, N, R, M]
+        "offload.cache_k": (host.recall.k, named(None, "data", "model", None, None, None)),
+        "offload.step": (host.recall.step, named()),
+        "fullkv.k": (caches["full"].groups[0].store.k, kv),
     }
     placed = model._sharded_params  # what generate placed and kept on the model
     assert placed[0] is model.params
@@ -141,7 +145,7 @@ def main(out_path: str) -> None:
     params = sh.shard_params(model.params, CFG, mesh)
     cache = sh.init_cache_sharded(CFG, policy, B, cap, jnp.float32, mesh)
     res["shardings"]["init_cache_sharded.host_k"] = _sharding_report(
-        cache.host_k, named(None, "data", "model", None, None, kind="pinned_host"))
+        cache.selecting.store.k, named(None, "data", "model", None, None, kind="pinned_host"))
     res["shardings"]["init_cache_sharded.centroids"] = _sharding_report(
         cache.policy_state.centroids, named(None, "data", "model", None, None))
     tokens = np.zeros((B, 64), np.int32)
@@ -156,9 +160,9 @@ def main(out_path: str) -> None:
         steps.append(np.asarray(logits).argmax(-1))
     res["tokens"]["steps_loop"] = {"plain": res["tokens"]["clusterkv_offload"]["plain"],
                                    "sharded": np.stack(steps, 1).tolist()}
-    res["shardings"]["decode_step.k"] = _sharding_report(cache.k, kv)
+    res["shardings"]["decode_step.k"] = _sharding_report(cache.groups[0].store.k, kv)
     res["shardings"]["decode_step.host_k"] = _sharding_report(
-        cache.host_k, named(None, "data", "model", None, None, kind="pinned_host"))
+        cache.selecting.store.k, named(None, "data", "model", None, None, kind="pinned_host"))
     res["shardings"]["decode_step.centroids"] = _sharding_report(
         cache.policy_state.centroids, named(None, "data", "model", None, None))
 
@@ -167,6 +171,7 @@ def main(out_path: str) -> None:
     res["collectives"] = {}
     for name, policy in (("clusterkv_offload", POLICIES["clusterkv_offload"]),
                          ("clusterkv_shared", ClusterKV(gqa="shared", **SMALL)),
+                         ("clusterkv_kernels", POLICIES["clusterkv_kernels"]),
                          ("quest", Quest(budget=16, page_size=4, full_layers=1))):
         lowered = generate_ids.lower(
             params, sh.shard_batch(tokens, rules), sh.shard_batch(np.array(LENGTHS, np.int32), rules),
@@ -174,6 +179,19 @@ def main(out_path: str) -> None:
             policy=policy, max_new_tokens=NEW, capacity=cap, cache_dtype=jnp.dtype(jnp.float32), sharding=rules)
         res["collectives"][name] = _collectives(lowered.compile().as_text())
     res["sizes"] = {"B": B, "T": 64, "D": CFG.hidden_size, "S": cap}
+
+    # The same program with the Pallas kernels, lowered for CUDA (no GPU needed to lower): the kernels must be
+    # Triton calls inside shard_map (manual) regions, one per device shard, not custom calls the partitioner
+    # would gather. The kernel switch is forced on as if these host devices were sm80+ GPUs.
+    with mock.patch.object(dispatch, "kernels_supported", lambda device=None: True):
+        lowered = generate_ids.trace(
+            params, sh.shard_batch(tokens, rules), sh.shard_batch(np.array(LENGTHS, np.int32), rules),
+            Sampling.make(), jax.random.PRNGKey(0), jnp.zeros((0,), jnp.int32), jnp.int32(0), config=CFG,
+            policy=ClusterKV(kernels="pallas", **SMALL), max_new_tokens=NEW, capacity=cap,
+            cache_dtype=jnp.dtype(jnp.float32), sharding=rules).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    res["cuda_lowering"] = {"triton_calls": text.count("__gpu$xla.gpu.triton"),
+                            "manual_regions": text.count("sdy.manual_computation")}
 
     # Fallback: 3 KV heads on model=2 are replicated; a batch of 3 is padded to 4 for data=2.
     model3 = _model(CFG_3KV, 2)
@@ -185,14 +203,14 @@ def main(out_path: str) -> None:
                            return_cache=True)
         c = sharded.cache
         res["fallback"][name] = {
-            "plain": plain.tokens, "sharded": sharded.tokens, "cache_batch": c.k.shape[1],
-            "k": _sharding_report(c.k, named(None, "data", None, None, None)),
+            "plain": plain.tokens, "sharded": sharded.tokens, "cache_batch": c.batch_size,
+            "k": _sharding_report(c.groups[0].store.k, named(None, "data", None, None, None)),
             "q": _sharding_report(model3._sharded_params[2]["layers"]["q"], named()),
             "gate": _sharding_report(model3._sharded_params[2]["layers"]["gate"], named(None, None, "model")),
         }
-        if c.host_k is not None:
+        if c.offloaded:
             res["fallback"][name]["host_k"] = _sharding_report(
-                c.host_k, named(None, "data", None, None, None, kind="pinned_host"))
+                c.selecting.store.k, named(None, "data", None, None, None, kind="pinned_host"))
             res["fallback"][name]["centroids"] = _sharding_report(c.policy_state.centroids, named(None, "data"))
 
     res["seconds"] = time.perf_counter() - t0

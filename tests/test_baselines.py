@@ -76,9 +76,10 @@ def run(policy, seqs=(0, 1, 2), zero_padding=False) -> Run:
 def layer_inputs(policy, layer: int, seed: int = 1):
     """One selecting layer's (state, random q [B, N, H], keys [B, K, S, H], lengths, prompt_lengths)."""
     cache = run(policy).cache
-    state = jax.tree.map(lambda x: x[layer], cache.policy_state)
+    group, i = cache.group_of(layer)
+    state = jax.tree.map(lambda x: x[i], group.state)
     q = jax.random.normal(jax.random.PRNGKey(seed), (3, CONFIG.num_heads, CONFIG.head_dim), jnp.float32)
-    return state, q, cache.k[layer], cache.lengths, cache.prompt_lengths
+    return state, q, cache.layer_kv(layer)[0], cache.lengths, cache.prompt_lengths
 
 
 def selected_sets(idx, mask) -> list[list[list[int]]]:
@@ -251,14 +252,16 @@ def test_ragged_batch_equals_each_sequence_alone(policy):
 def test_quest_pages_generated_tokens_every_page_size_steps():
     ps = QUEST.page_size
     result = run(QUEST)
-    keys = np.asarray(result.cache.k)  # [L, B, K, S, H]; rows below each length never change
+    # [L, B, K, S, H]; rows below each length never change
+    keys = np.stack([np.asarray(result.cache.layer_kv(layer)[0]) for layer in range(CONFIG.num_layers)])
+    first = QUEST.full_layers
     for t, state in enumerate(result.states):  # t decode steps done
-        for layer in range(CONFIG.num_layers):
-            kmin, kmax = state.kmin[layer], state.kmax[layer]  # [B, K, P, H]
-            start, plen, upto = state.page_start[layer], state.page_len[layer], state.indexed_upto[layer]
-            if layer < QUEST.full_layers:  # full layers never reach the policy
-                assert not plen.any() and not upto.any() and not kmax.any()
-                continue
+        # Full layers never reach the policy: the state covers the selecting layers only.
+        assert state.kmin.shape[0] == CONFIG.num_layers - first
+        for layer in range(first, CONFIG.num_layers):
+            kmin, kmax = state.kmin[layer - first], state.kmax[layer - first]  # [B, K, P, H]
+            i = layer - first
+            start, plen, upto = state.page_start[i], state.page_len[i], state.indexed_upto[i]
             for b, Lp in enumerate(PROMPT_LENGTHS.tolist()):
                 pages, indexed_upto = np_quest_pages(Lp, Lp + t, ps)
                 n_prompt = -(-Lp // ps)

@@ -46,8 +46,8 @@ def test_budget_covering_everything_equals_full_kv(gqa, init):
     full, _ = run(FullKV(), TOKENS, LENGTHS, steps=36)
     ours, cache = run(ClusterKV(budget=512, gqa=gqa, init=init, **SMALL), TOKENS, LENGTHS, steps=36)
     np.testing.assert_allclose(ours, full, atol=1e-5)
-    # Decode clustering fired twice (at 16 and 32 generated tokens) on every compressed layer.
-    np.testing.assert_array_equal(np.asarray(cache.policy_state.clustered_upto[2:]), np.tile(LENGTHS + 32, (2, 1)))
+    # Decode clustering fired twice (at 16 and 32 generated tokens) on every compressed layer (2 and 3).
+    np.testing.assert_array_equal(np.asarray(cache.policy_state.clustered_upto), np.tile(LENGTHS + 32, (2, 1)))
 
 
 def test_small_budget_differs_from_full_kv():
@@ -57,7 +57,9 @@ def test_small_budget_differs_from_full_kv():
 
 
 def _layer_state(cache, layer):
-    return jax.tree.map(lambda x: x[layer], cache.policy_state)
+    """The policy state of model layer `layer` (the state is stacked over the selecting layers only)."""
+    group, i = cache.group_of(layer)
+    return jax.tree.map(lambda x: x[i], group.state)
 
 
 def _members(state, b, h):
@@ -77,8 +79,9 @@ def test_clusters_partition_the_prompt_past_the_sinks():
                 flat = [p for m in members.values() for p in m]
                 assert sorted(flat) == list(range(4, L)), "every clustered token in exactly one cluster"
                 assert len(members) <= max(1, (L - 4) // 8)
-    # Layers below full_layers are never clustered.
-    assert np.asarray(cache.policy_state.sizes[:2]).sum() == 0
+    # Layers below full_layers are never clustered: they hold no cluster index at all.
+    assert cache.policy_state.sizes.shape[0] == CFG.num_layers - 2
+    assert all(g.state is None for g in cache.groups if g.start < 2)
 
 
 def test_selection_is_ranked_clusters_with_the_last_trimmed():
@@ -87,7 +90,7 @@ def test_selection_is_ranked_clusters_with_the_last_trimmed():
     state = _layer_state(cache, 3)
     q = jax.random.normal(jax.random.PRNGKey(1), (3, CFG.num_heads, CFG.head_dim))
     lengths = jnp.asarray(LENGTHS)
-    idx, mask = policy.select(state, q, cache.k[3], lengths, lengths)
+    idx, mask = policy.select(state, q, None, lengths, lengths)
     idx, mask = np.asarray(idx), np.asarray(mask)
     G = CFG.num_heads // CFG.num_kv_heads
     for b, L in enumerate(LENGTHS):
@@ -118,8 +121,8 @@ def test_one_token_per_cluster_selects_the_exact_top_b():
     lengths = jnp.asarray(LENGTHS)
     q = jax.random.normal(jax.random.PRNGKey(2), (3, CFG.num_heads, CFG.head_dim))
     for layer in (2, 3):
-        idx, mask = policy.select(_layer_state(cache, layer), q, cache.k[layer], lengths, lengths)
-        keys = np.asarray(cache.k[layer])
+        idx, mask = policy.select(_layer_state(cache, layer), q, None, lengths, lengths)
+        keys = np.asarray(cache.layer_kv(layer)[0])
         for b, L in enumerate(LENGTHS):
             for n in range(CFG.num_heads):
                 scores = keys[b, n // 2, :L] @ np.asarray(q[b, n])
@@ -222,8 +225,10 @@ def test_kernel_switch_resolves_per_device():
 
 @pytest.mark.parametrize("per_query_head", [True, False])
 def test_selection_and_window_attention_matches_numpy(per_query_head):
-    """One softmax over each head's selected rows and its KV head's window, against a NumPy loop per head."""
-    from clusterkv_jax.policies.common import attend_to_indices
+    """One softmax over each head's selected rows and its KV head's window, read from a store, against a NumPy
+    loop per head."""
+    from clusterkv_jax.attention import selection_and_window_attention
+    from clusterkv_jax.store import DeviceKV
 
     rng = np.random.default_rng(3)
     B, N, K, S, H, M, W = 2, 6, 2, 40, 8, 7, 5
@@ -236,7 +241,10 @@ def test_selection_and_window_attention_matches_numpy(per_query_head):
     w_idx = rng.integers(0, S, (B, W)).astype(np.int32)
     w_mask = rng.random((B, W)) < 0.6
     w_mask[:, 0] = True  # every head attends at least one row
-    got = np.asarray(attend_to_indices(q, keys, values, idx, mask, w_idx, w_mask))
+    view = DeviceKV(k=jnp.asarray(keys)[None], v=jnp.asarray(values)[None]).layer(jnp.int32(0))
+    k_sel, v_sel, _ = view.read(jnp.asarray(idx), jnp.asarray(mask))
+    k_win, v_win = view.window(jnp.asarray(w_idx))
+    got = np.asarray(selection_and_window_attention(q, k_sel, v_sel, mask, k_win, v_win, w_mask))
     want = np.zeros((B, N, H), np.float32)
     for b in range(B):
         for n in range(N):

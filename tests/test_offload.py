@@ -12,6 +12,7 @@ import pytest
 
 from clusterkv_jax import offload
 from clusterkv_jax.cache import init_cache, kv_bytes
+from clusterkv_jax.offload import HostKV
 from clusterkv_jax.config import ModelConfig
 from clusterkv_jax.generate import decode_step, generate, prefill
 from clusterkv_jax.loading import Model
@@ -51,10 +52,14 @@ def test_offload_matches_device_path_and_uses_pinned_host(name):
     on_device, _ = run(POLICIES[name]())
     offloaded, cache = run(POLICIES[name](offload=True))
     np.testing.assert_allclose(offloaded, on_device, atol=1e-6, rtol=0)
-    assert cache.host_k.sharding.memory_kind == "pinned_host"
-    assert cache.host_v.sharding.memory_kind == "pinned_host"
-    for leaf in jax.tree_util.tree_leaves((cache.offload_state, cache.policy_state, cache.k)):
-        assert leaf.sharding.memory_kind == "device"
+    host = cache.groups[-1].store
+    assert isinstance(host, HostKV)
+    assert host.k.sharding.memory_kind == "pinned_host"
+    assert host.v.sharding.memory_kind == "pinned_host"
+    # Everything else (device stores, the window ring, the recall cache, the policy state) is device memory.
+    host_kv = {id(g.store.k) for g in cache.groups if g.on_host} | {id(g.store.v) for g in cache.groups if g.on_host}
+    for leaf in jax.tree_util.tree_leaves(cache):
+        assert leaf.sharding.memory_kind == ("pinned_host" if id(leaf) in host_kv else "device")
     if name != "full":
         rates = offload.hit_rates(cache)
         assert rates[:2] == [None, None], "full layers select nothing"
@@ -68,7 +73,7 @@ def test_generate_with_offload_gives_the_same_tokens():
         plain = generate(model, prompts, 40, policy=make(), stop_at_eos=False)
         off = generate(model, prompts, 40, policy=make(offload=True), stop_at_eos=False, return_cache=True)
         assert off.tokens == plain.tokens
-        assert off.cache.host_k.sharding.memory_kind == "pinned_host"
+        assert off.cache.groups[-1].store.k.sharding.memory_kind == "pinned_host"
 
 
 def test_longer_cache_history_hits_at_least_as_often():
@@ -100,19 +105,22 @@ def numpy_cache_simulation(selections, R):
 def test_recall_cache_matches_numpy_simulation_and_returns_host_rows(R):
     rng = np.random.default_rng(R)
     B, K, h, S, M, H = 2, 2, 4, 64, 12, 16
-    host_k = offload.to_host(jnp.asarray(rng.normal(size=(1, B, K, S, H)), jnp.float32))
-    host_v = offload.to_host(jnp.asarray(rng.normal(size=(1, B, K, S, H)), jnp.float32))
-    one_layer = dataclasses.replace(CFG, num_layers=1)
-    policy = ClusterKV(budget=M, cache_steps=R, offload=True, **SMALL)
-    ost = jax.tree.map(lambda x: x[0], offload.init_offload_state(policy, one_layer, B, S, jnp.float32, (B, h, M)))
-    step = jax.jit(lambda o, i, m, hk, hv: offload.recall_rows(o, i, m, hk, hv, jnp.int32(0), R))
+    store = HostKV.create(1, B, K, S, H, jnp.float32, window=16, selection_shape=(B, h, M), cache_steps=R)
+    store = store.replace(k=offload.to_host(jnp.asarray(rng.normal(size=(1, B, K, S, H)), jnp.float32)),
+                          v=offload.to_host(jnp.asarray(rng.normal(size=(1, B, K, S, H)), jnp.float32)))
+
+    @jax.jit
+    def step(store, idx, mask):
+        k, v, view = store.layer(jnp.int32(0)).read(idx, mask)
+        return k, v, view.store
+
     selections = []
     for t in range(8):
         # Overlapping selections from a small pool, so some steps hit and some miss.
         idx = np.stack([[rng.choice(24, M, replace=False) + (t % 3) * 4 for _ in range(h)] for _ in range(B)])
         mask = rng.random((B, h, M)) > 0.15
-        k, v, ost = step(ost, jnp.asarray(idx, jnp.int32), jnp.asarray(mask), host_k, host_v)
-        hk, hv = np.asarray(offload.to_device(host_k))[0], np.asarray(offload.to_device(host_v))[0]
+        k, v, store = step(store, jnp.asarray(idx, jnp.int32), jnp.asarray(mask))
+        hk, hv = np.asarray(offload.to_device(store.k))[0], np.asarray(offload.to_device(store.v))[0]
         kv_head = np.arange(h) // (h // K)
         want_k = hk[np.arange(B)[:, None, None], kv_head[None, :, None], idx]
         want_v = hv[np.arange(B)[:, None, None], kv_head[None, :, None], idx]
@@ -120,12 +128,12 @@ def test_recall_cache_matches_numpy_simulation_and_returns_host_rows(R):
         np.testing.assert_array_equal(np.asarray(v)[mask], want_v[mask])
         selections.append((idx, mask))
     hits, total = numpy_cache_simulation(selections, R)
-    assert (int(ost.hits), int(ost.selected)) == (hits, total)
+    assert (int(store.recall.hits[0]), int(store.recall.selected[0])) == (hits, total)
     assert 0 < hits < total
     # Selecting the last step's tokens again hits everything: only the smallest bucket (1 row a head) moves.
-    before = float(ost.fetched)
-    _, _, ost = step(ost, jnp.asarray(idx, jnp.int32), jnp.asarray(mask), host_k, host_v)
-    assert float(ost.fetched) - before == B * h * 1
+    before = float(store.recall.fetched[0])
+    _, _, store = step(store, jnp.asarray(idx, jnp.int32), jnp.asarray(mask))
+    assert float(store.recall.fetched[0]) - before == B * h * 1
 
 
 def test_device_kv_bytes_do_not_grow_with_context():
@@ -133,13 +141,13 @@ def test_device_kv_bytes_do_not_grow_with_context():
     small, large = (init_cache(CFG, policy, 1, cap, jnp.float32) for cap in (2048, 8192))
 
     def compressed_device_bytes(cache):
-        ost = cache.offload_state
-        return sum(x.nbytes for x in (ost.ring_k, ost.ring_v, ost.cache_k, ost.cache_v))
+        host = cache.groups[1].store
+        return sum(x.nbytes for x in (host.ring_k, host.ring_v, host.recall.k, host.recall.v))
 
     assert compressed_device_bytes(small) == compressed_device_bytes(large)
     assert kv_bytes(large)["host"] == 4 * kv_bytes(small)["host"]
     # Device KV is the 2 full layers (which grow) plus the fixed compressed-layer buffers.
-    full_layers = lambda c: c.k.nbytes + c.v.nbytes
+    full_layers = lambda c: c.groups[0].store.k.nbytes + c.groups[0].store.v.nbytes
     assert kv_bytes(large)["device"] - full_layers(large) == kv_bytes(small)["device"] - full_layers(small)
 
 
@@ -148,11 +156,12 @@ def test_offload_falls_back_without_host_memory(monkeypatch):
     on_device, _ = run(POLICIES["clusterkv"]())
     fallback, cache = run(POLICIES["clusterkv"](offload=True))
     np.testing.assert_allclose(fallback, on_device, atol=1e-6, rtol=0)
-    assert cache.host_k.sharding.memory_kind == "device"
+    assert cache.groups[-1].store.k.sharding.memory_kind == "device"
 
 
 def test_bench_offload_reports_hit_rates_bytes_and_clustering_share():
-    from clusterkv_jax.bench import bench_offload, format_offload
+    from clusterkv_jax.bench.offload import bench_offload
+    from clusterkv_jax.bench.report import format_offload
 
     model = Model(CFG, PARAMS, tokenizer=None)
     ids = TOKENS[0].tolist()

@@ -282,7 +282,8 @@ def test_cluster_index_equals_rank_and_index():
 
 
 def test_cluster_index_group_shares_token_lists():
-    """group=G: problem p reads sorted_tokens[p // G] (per-query-head ranking, KV heads' token lists)."""
+    """Sizes [P, G, C] with tokens [P, S]: the G problems of p all read sorted_tokens[p] (per-query-head ranking
+    of a KV head's clusters), as the reference does with the token lists repeated G times."""
     rng = np.random.default_rng(9)
     B, K, G, C, S, M = 2, 2, 3, 30, 200, 70
     sizes = np.minimum(rng.integers(0, 12, (B * K, C)), 6)
@@ -292,10 +293,13 @@ def test_cluster_index_group_shares_token_lists():
     rep = lambda x: np.repeat(x, G, axis=0)  # noqa: E731
     ranked_sizes = jnp.asarray(np.take_along_axis(rep(sizes), order, axis=1), jnp.int32)
     ranked_starts = jnp.asarray(np.take_along_axis(rep(starts), order, axis=1), jnp.int32)
-    got = cluster_to_token_index(ranked_sizes, ranked_starts, tokens, M, group=G, interpret=True)
+    grouped = lambda x: x.reshape(B * K, G, C)  # noqa: E731
+    got = cluster_to_token_index(grouped(ranked_sizes), grouped(ranked_starts), tokens, M, interpret=True)
     want = cluster_to_token_index_reference(ranked_sizes, ranked_starts, jnp.repeat(tokens, G, axis=0), M)
-    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
-    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    np.testing.assert_array_equal(np.asarray(got[0]).reshape(B * K * G, M), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]).reshape(B * K * G, M), np.asarray(want[1]))
+    ref_grouped = cluster_to_token_index_reference(grouped(ranked_sizes), grouped(ranked_starts), tokens, M)
+    np.testing.assert_array_equal(np.asarray(ref_grouped[0]).reshape(B * K * G, M), np.asarray(want[0]))
 
 
 # ------------------------------------------------------------------------------------------------------ dispatch

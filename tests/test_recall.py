@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import jax
+import pytest
 import numpy as np
 
 from clusterkv_jax.config import ModelConfig
@@ -51,3 +52,44 @@ def test_eval_recall_cli_on_smollm2(smollm2_converted_dir, tmp_path, capsys):
     # On real text, semantic clusters keep more attention mass than a recency window.
     assert res["mass_recall"]["clusterkv"]["256"] > res["mass_recall"]["streaming"]["256"]
     assert "| clusterkv |" in capsys.readouterr().out
+
+
+def test_probe_scores_the_selection_made_after_indexing_due_tokens():
+    """At the step decode-time clustering is due, the probe scores what the policy would attend: the selection
+    made after the new clusters exist (they can displace prompt clusters), not before."""
+    import jax.numpy as jnp
+
+    from clusterkv_jax.eval.recall import RecallProbe
+    from clusterkv_jax.policies import ClusterKV
+    from clusterkv_jax.store import DeviceKV
+
+    B, K, N, H, S, P0, W = 1, 2, 4, 16, 128, 80, 16
+    policy = ClusterKV(budget=24, sinks=4, tokens_per_cluster=8, decode_interval=W, decode_clusters=2)
+    probe = RecallProbe(policies=(policy,), budgets=(24,))
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.normal(size=(B, N, H)), jnp.float32)
+    keys = rng.normal(size=(B, K, S, H)).astype(np.float32)
+    # The W generated tokens point along each KV head's queries: once clustered they outrank every prompt cluster.
+    keys[:, :, P0:P0 + W] = 3.0 * np.asarray(q).reshape(B, K, 2, H).sum(2)[:, :, None, :] + 0.1 * keys[:, :, P0:P0 + W]
+    keys[:, :, P0 + W:] = 0.0
+    prompt, lengths = jnp.array([P0], jnp.int32), jnp.array([P0 + W], jnp.int32)
+    cfg = ModelConfig(vocab_size=8, hidden_size=N * H, intermediate_size=8, num_layers=3, num_heads=N,
+                      num_kv_heads=K, head_dim=H)
+    state = jax.tree.map(lambda x: x[0], probe.init_states(cfg, B, S, range(2, 3)))
+    prompt_keys = jnp.where(jnp.arange(S)[None, None, :, None] < P0, keys, 0.0)
+    state = probe.after_prefill(state, prompt_keys, prompt)
+    kv = DeviceKV(k=jnp.asarray(keys)[None], v=jnp.asarray(keys)[None]).layer(jnp.int32(0))
+    _, after, _ = probe.decode_attention(state, q, kv, lengths, prompt)
+
+    def token_recall(inner):
+        idx, mask = policy.select(inner, q, None, lengths, prompt)
+        scores = np.einsum("bkgh,bksh->bkgs", np.asarray(q).reshape(B, K, 2, H), keys).reshape(B, N, S)[:, :, :P0]
+        top = np.argsort(-scores, axis=-1)[:, :, :24]
+        idx, mask = np.asarray(idx), np.asarray(mask)
+        return np.mean([len(set(top[0, n]) & set(idx[0, n][mask[0, n]].tolist())) / 24 for n in range(N)])
+
+    indexed = policy.index_window(state.inner[0], kv, lengths, prompt)
+    assert int(indexed.clustered_upto[0]) == P0 + W  # the generated tokens were clustered at this step
+    now, late = token_recall(indexed), token_recall(state.inner[0])
+    assert now < late, "the due clusters displace prompt clusters at this step"
+    assert float(after.token_recall[0]) == pytest.approx(now, abs=1e-6)

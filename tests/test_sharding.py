@@ -37,16 +37,19 @@ def report(tmp_path_factory):
     return res
 
 
-@pytest.mark.parametrize("policy", ["full", "full_offload", "clusterkv", "clusterkv_offload"])
+@pytest.mark.parametrize("policy", ["full", "full_offload", "clusterkv", "clusterkv_offload", "clusterkv_kernels"])
 def test_sharded_generation_equals_unsharded(report, policy):
+    """clusterkv_kernels: the Pallas kernels (interpret mode) run per shard under shard_map."""
     got = report["tokens"][policy]
     assert len(got["plain"]) == 8 and all(len(t) == 16 for t in got["plain"])
     assert got["sharded"] == got["plain"]
 
 
 def test_clusterkv_selection_really_drops_tokens(report):
-    """Otherwise the ClusterKV comparisons above would only re-test full attention."""
+    """Otherwise the ClusterKV comparisons above would only re-test full attention; the kernels decode as the
+    pure-JAX path does."""
     assert report["tokens"]["clusterkv"]["plain"] != report["tokens"]["full"]["plain"]
+    assert report["tokens"]["clusterkv_kernels"]["plain"] == report["tokens"]["clusterkv"]["plain"]
 
 
 def test_ragged_batch_equals_each_prompt_alone(report):
@@ -87,6 +90,13 @@ def test_compiled_program_has_no_gather_of_kv(report):
             for dims in re.findall(r"\w+\[([\d,]*)\]", shape):  # a tuple when XLA combined several
                 size = int(np.prod([int(d) for d in dims.split(",")])) if dims else 1
                 assert size == 1 or (where.endswith("dot_general") and size <= activation), f"{name}: {op}"
+
+
+def test_sharded_clusterkv_keeps_its_kernels_per_shard(report):
+    """Lowered for CUDA, the sharded ClusterKV program holds the Pallas kernels as Triton calls inside
+    shard_map regions (K-means centroid sums at prefill and decode, cluster -> token indexing)."""
+    got = report["cuda_lowering"]
+    assert got["triton_calls"] >= 3 and got["manual_regions"] >= got["triton_calls"]
 
 
 @pytest.mark.parametrize("policy", ["full", "clusterkv_offload"])

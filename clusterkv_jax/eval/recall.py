@@ -20,14 +20,18 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
 from clusterkv_jax.attention import decode_attention
+from clusterkv_jax.cache import init_cache
+from clusterkv_jax.eval.policies import make_policy
+from clusterkv_jax.generate import bucket_length, cache_capacity, decode_step, prefill
 from clusterkv_jax.policies.base import KVPolicy
 
 
 @flax.struct.dataclass
 class ProbeState:
-    layer: jax.Array  # [] this layer's index (stacked: [L])
+    layer: jax.Array  # [] this layer's index in the model (stacked: [n])
     inner: tuple  # each wrapped policy's layer state
     token_recall: jax.Array  # [P] sums over steps
     mass_recall: jax.Array  # [P]
@@ -38,19 +42,20 @@ class ProbeState:
 class RecallProbe(KVPolicy):
     policies: tuple = ()
     budgets: tuple = ()  # the budget B each policy is scored against
+    reads_all_keys = True
 
     @property
     def full_layers(self) -> int:  # the model hands every layer >= the smallest full_layers to the probe
         return min(p.full_layers for p in self.policies)
 
-    def init_state(self, config, batch_size, capacity):
-        L, P = config.num_layers, len(self.policies)
+    def init_states(self, config, batch_size, capacity, layers):
+        n, P = len(layers), len(self.policies)
         return ProbeState(
-            layer=jnp.arange(L, dtype=jnp.int32),
-            inner=tuple(p.init_state(config, batch_size, capacity) for p in self.policies),
-            token_recall=jnp.zeros((L, P), jnp.float32),
-            mass_recall=jnp.zeros((L, P), jnp.float32),
-            steps=jnp.zeros((L,), jnp.int32),
+            layer=jnp.arange(layers.start, layers.stop, dtype=jnp.int32),
+            inner=tuple(p.init_states(config, batch_size, capacity, layers) for p in self.policies),
+            token_recall=jnp.zeros((n, P), jnp.float32),
+            mass_recall=jnp.zeros((n, P), jnp.float32),
+            steps=jnp.zeros((n,), jnp.int32),
         )
 
     def after_prefill(self, state, keys, lengths):
@@ -61,7 +66,10 @@ class RecallProbe(KVPolicy):
         )
         return state.replace(inner=inner)
 
-    def decode_attention(self, state, q, keys, values, lengths, prompt_lengths):
+    def decode_attention(self, state, q, kv, lengths, prompt_lengths):
+        """Attends to every token (so every policy sees the exact trajectory's queries and keys), and scores
+        each wrapped policy's selection, made as in its own decode step: its index advanced first."""
+        keys, values = kv.keys(), kv.values()
         B, N, H = q.shape
         K, S = keys.shape[1], keys.shape[2]
         G = N // K
@@ -74,6 +82,9 @@ class RecallProbe(KVPolicy):
         sorted_desc = -jnp.sort(-scores, axis=-1)
         token_recall, mass_recall, inner = [], [], []
         for p, budget, s in zip(self.policies, self.budgets, state.inner):
+            active = state.layer >= p.full_layers
+            # Advance the wrapped policy as it advances itself (decode-time clusters, pages, ...), then select.
+            s = jax.lax.cond(active, lambda s, p=p: p.index_window(s, kv, lengths, prompt_lengths), lambda s: s, s)
             idx, mask = p.select(s, q, keys, lengths, prompt_lengths)
             if idx.shape[1] != N:  # one selection per KV head, shared by its query heads
                 idx, mask = jnp.repeat(idx, G, axis=1), jnp.repeat(mask, G, axis=1)
@@ -85,29 +96,26 @@ class RecallProbe(KVPolicy):
             top = (scores >= kth) & in_prompt
             hits = jnp.sum(chosen * top, axis=-1) / k[:, None]
             mass = jnp.sum(chosen * probs, axis=-1)
-            active = state.layer >= p.full_layers
             token_recall.append(jnp.where(active, jnp.mean(hits), 0.0))
             mass_recall.append(jnp.where(active, jnp.mean(mass), 0.0))
-            # Advance the wrapped policy as it would advance itself (decode-time clustering, pages, ...).
-            inner.append(jax.lax.cond(active, lambda s, p=p: p.decode_attention(s, q, keys, values, lengths,
-                                                                                prompt_lengths)[1],
-                                      lambda s: s, s))
+            inner.append(s)
         out = decode_attention(q, keys, values, lengths)
         return out, state.replace(
             inner=tuple(inner),
             token_recall=state.token_recall + jnp.stack(token_recall),
             mass_recall=state.mass_recall + jnp.stack(mass_recall),
             steps=state.steps + 1,
-        )
+        ), kv
 
     def summary(self, state: ProbeState) -> list[tuple[float, float]]:
-        """(token recall, mass recall) per wrapped policy, averaged over steps and its compressed layers."""
+        """(token recall, mass recall) per wrapped policy, averaged over steps and its selecting layers."""
         token = np.asarray(state.token_recall)
         mass = np.asarray(state.mass_recall)
         steps = np.asarray(state.steps)
+        layer = np.asarray(state.layer)
         out = []
         for i, p in enumerate(self.policies):
-            layers = np.arange(token.shape[0]) >= p.full_layers
+            layers = layer >= p.full_layers
             n = steps[layers].sum()
             out.append((float(token[layers, i].sum() / n), float(mass[layers, i].sum() / n)))
         return out
@@ -125,17 +133,10 @@ def run_recall(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Prefills `context` tokens, teacher-forces `steps` more, and scores every (policy, budget)."""
-    from tqdm.auto import tqdm
-
-    from clusterkv_jax.cache import init_cache
-    from clusterkv_jax.generate import bucket_length, cache_capacity, decode_step, prefill
-
     if len(token_ids) < context + steps:
         raise ValueError(f"text has {len(token_ids)} tokens; --context {context} + --steps {steps} needs more")
     if steps < 1:
         raise ValueError("--steps must be >= 1")
-    from clusterkv_jax.eval.policies import make_policy
-
     combos = [(n, b) for n in policy_names for b in budgets]
     probe = RecallProbe(
         policies=tuple(make_policy(n, b, **(policy_options or {}).get(n, {})) for n, b in combos),

@@ -1,12 +1,24 @@
 """The interface every KV selection policy implements.
 
-A policy is a frozen dataclass (hashable, so it is a static argument of `jax.jit`) with three hooks the
-model calls inside its layer scan. Layers below `full_layers` never reach the policy: they attend to the
-whole cache. A new policy is one new module implementing these hooks.
+A policy is a frozen dataclass (hashable, so it is a static argument of `jax.jit`). Layers [0, full_layers)
+attend to the whole cache and never reach it; in layers [full_layers, L) the model calls its hooks inside a
+`lax.scan` over those layers, one layer at a time, so everything is traced (static shapes, no Python branching
+on array values). A new policy is one module implementing `init_state`, `select` and the declarations below.
+
+Per decode step, for each selecting layer, `decode_attention` (generic, below) runs:
+
+1. `index_recent`: the policy may index the window of recent tokens it has not indexed yet;
+2. `select`: the budgeted selection, token positions idx and a mask [B, h, M];
+3. the layer's store reads the selected rows and the window rows (`clusterkv_jax.store`: device memory or,
+   with `offload`, host memory with a device recall cache: the policy does not see the difference);
+4. one softmax over the selection and the window (`attention.selection_and_window_attention`).
 
 Budget rule (the same for every policy): a budget B counts every token attended from the prompt and from
-already-clustered generated tokens, attention sinks included; generated tokens a policy has not yet
-indexed are attended in full and reported separately.
+already-indexed generated tokens, attention sinks included; generated tokens a policy has not yet indexed
+(its window) are attended in full and reported separately.
+
+Shapes: B batch, N query heads, K KV heads, G = N // K, S capacity, H head dim, h selection heads (N, or K
+for one selection per KV head shared by its G query heads), M selected slots, W window slots.
 """
 
 from __future__ import annotations
@@ -14,100 +26,116 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
+from clusterkv_jax.attention import selection_and_window_attention
 from clusterkv_jax.config import ModelConfig
+from clusterkv_jax.policies.common import recent_window
 
 
 class KVPolicy:
     """Base class. Subclasses are `@dataclasses.dataclass(frozen=True)`."""
 
-    #: Layers with index < full_layers attend to every token. A policy that never selects sets it >= L.
+    #: Layers [0, full_layers) attend to every token; the policy selects in layers [full_layers, L).
     full_layers: int = 0
+    #: Keep the K/V of the layers this policy selects in host memory (`pinned_host`; see clusterkv_jax.offload).
+    offload: bool = False
+    #: Offload only: the device keeps the rows selected in the last `cache_steps` steps (0: no cache).
+    cache_steps: int = 0
+    #: `select` scores every cached key (it gets the layer's keys [B, K, S, H]; others get None). Such a policy
+    #: cannot offload: it would read the whole host store every step.
+    reads_all_keys: bool = False
+
+    # ---- What the model, the offload path and the benchmarks need to know (static) ----------------------
+
+    def offloads(self, selecting: bool) -> bool:
+        """Whether a group of layers (selecting ones, or full ones) keeps its K/V in host memory."""
+        return self.offload and selecting
+
+    def selection_shape(self, config: ModelConfig, batch_size: int, capacity: int) -> tuple[int, int, int]:
+        """(B, h, M) of `select`'s idx and mask."""
+        raise NotImplementedError
+
+    def window_size(self, capacity: int) -> int:
+        """Static slots of the window of unindexed recent tokens [window_start, length) (0: no window)."""
+        return 0
+
+    def metadata_bytes(self, config: ModelConfig, context: int) -> int:
+        """Bytes of index (centroids, page bounds) one decode step reads per sequence and selecting layer."""
+        return 0
+
+    # ---- Traced hooks, one layer at a time -------------------------------------------------------------
 
     def init_state(self, config: ModelConfig, batch_size: int, capacity: int) -> Any:
-        """The policy's empty state for all layers: a pytree whose leaves have a leading [L] axis."""
+        """One layer's empty state: a pytree of arrays."""
         raise NotImplementedError
+
+    def init_states(self, config: ModelConfig, batch_size: int, capacity: int, layers: range) -> Any:
+        """The states of model layers `layers`, stacked on a leading axis (the scan hands each layer its own)."""
+        one = self.init_state(config, batch_size, capacity)
+        return jax.tree.map(lambda x: jnp.broadcast_to(x, (len(layers),) + x.shape), one)
 
     def after_prefill(self, state: Any, keys: jax.Array, lengths: jax.Array) -> Any:
         """Indexes one layer's prompt keys [B, K, S, H] (rows >= lengths[b] are padding); returns its state."""
-        raise NotImplementedError
+        return state
 
-    def decode_attention(
-        self,
-        state: Any,
-        q: jax.Array,  # [B, N, H] post-RoPE queries of the new token
-        keys: jax.Array,  # [B, K, S, H] this layer's store, the new token's row written
-        values: jax.Array,  # [B, K, S, H]
-        lengths: jax.Array,  # [B] valid rows, the new token included
-        prompt_lengths: jax.Array,  # [B]
-    ) -> tuple[jax.Array, Any]:
-        """Attention output [B, N, H] over the tokens this policy selects, and the layer's new state."""
-        raise NotImplementedError
+    def window_start(self, state: Any, lengths: jax.Array, prompt_lengths: jax.Array) -> jax.Array:
+        """[B] first position of the window (positions below it are indexed, or sinks)."""
+        return lengths
+
+    def index_recent(self, state: Any, recent_keys, lengths: jax.Array, prompt_lengths: jax.Array) -> Any:
+        """Indexes the window's tokens once enough have accumulated. `recent_keys()` returns the keys of
+        positions [window_start, window_start + W) as [B, K, W, H]; call it only when needed."""
+        return state
 
     def select(
         self,
         state: Any,
-        q: jax.Array,  # [B, N, H]
-        keys: jax.Array,  # [B, K, S, H]
-        lengths: jax.Array,  # [B]
+        q: jax.Array,  # [B, N, H] post-RoPE queries of the new token
+        keys: jax.Array | None,  # [B, K, S, H] the layer's keys when `reads_all_keys`, else None
+        lengths: jax.Array,  # [B] valid rows, the new token included
         prompt_lengths: jax.Array,  # [B]
     ) -> tuple[jax.Array, jax.Array]:
-        """The budgeted selection (the B tokens counted by the budget, sinks included; not the recent
-        window of unindexed generated tokens): token positions idx [B, N, M] and a validity mask [B, N, M].
-        Used by `decode_attention` and by the recall evaluation."""
+        """The budgeted selection (the B tokens counted by the budget, sinks included; not the window):
+        token positions idx [B, h, M] and a validity mask [B, h, M], h = N (a selection per query head) or
+        h = K (one per KV head, shared by its query heads). Used by `decode_attention` and the recall eval."""
         raise NotImplementedError
+
+    # ---- The decode step of a selecting layer (generic) ------------------------------------------------
+
+    def index_window(self, state: Any, kv, lengths: jax.Array, prompt_lengths: jax.Array) -> Any:
+        """`index_recent` with the window's keys read from the layer's store view `kv`."""
+        W = self.window_size(kv.capacity)
+        if not W:
+            return state
+        start = self.window_start(state, lengths, prompt_lengths)
+
+        def recent_keys():
+            return kv.window(jnp.minimum(start[:, None] + jnp.arange(W), kv.capacity - 1))[0]
+
+        return self.index_recent(state, recent_keys, lengths, prompt_lengths)
+
+    def decode_attention(self, state: Any, q: jax.Array, kv, lengths: jax.Array, prompt_lengths: jax.Array):
+        """One layer's decode attention over the selection and the window, from the store view `kv` (this
+        layer, the new token's row written). Returns (output [B, N, H] float32, state, kv)."""
+        with jax.named_scope("index"):
+            state = self.index_window(state, kv, lengths, prompt_lengths)
+        with jax.named_scope("select"):
+            keys = kv.keys() if self.reads_all_keys else None
+            idx, mask = self.select(state, q, keys, lengths, prompt_lengths)
+        k_sel, v_sel, kv = kv.read(idx, mask)
+        k_win = v_win = w_mask = None
+        if W := self.window_size(kv.capacity):
+            w_idx, w_mask = recent_window(lengths, self.window_start(state, lengths, prompt_lengths), W)
+            with jax.named_scope("window"):
+                k_win, v_win = kv.window(w_idx)
+        with jax.named_scope("attend"):
+            out = selection_and_window_attention(q, k_sel, v_sel, mask, k_win, v_win, w_mask)
+        return out, state, kv
 
 
 class StatelessPolicy(KVPolicy):
-    """A policy that keeps no index: a placeholder state and nothing to do after prefill."""
+    """A policy that keeps no index: a placeholder state (the scan needs a leaf per layer)."""
 
     def init_state(self, config: ModelConfig, batch_size: int, capacity: int) -> Any:
-        import jax.numpy as jnp
-
-        return jnp.zeros((config.num_layers,), jnp.int32)  # a placeholder leaf: scan needs an [L] axis
-
-    def after_prefill(self, state: Any, keys: jax.Array, lengths: jax.Array) -> Any:
-        return state
-
-
-class IndexedPolicy(KVPolicy):
-    """A policy whose decode attention is: a budgeted selection over indexed tokens (`select`), plus a window of
-    the generated tokens not yet indexed, [indexed_upto, length), attended in full.
-
-    Subclasses provide the hooks below; `decode_attention` is generic, and the host-offloaded path
-    (`clusterkv_jax.offload`) drives the same hooks with keys and values that live in host memory.
-    """
-
-    #: Keep the full KV of layers >= full_layers in host memory (`pinned_host`); see clusterkv_jax.offload.
-    offload: bool = False
-    #: Offload only: the device keeps the rows selected in the last `cache_steps` steps (0: no cache).
-    cache_steps: int = 1
-
-    def window_size(self) -> int:
-        """Static bound on the unindexed window (the tokens past `indexed_upto`, the current one included)."""
-        raise NotImplementedError
-
-    def indexed_upto(self, state: Any) -> jax.Array:
-        """[B] positions < this are indexed (or sinks); the window is [indexed_upto, length)."""
-        raise NotImplementedError
-
-    def index_recent(self, state: Any, recent_keys, lengths: jax.Array, prompt_lengths: jax.Array) -> Any:
-        """Indexes the window's tokens once enough have accumulated. `recent_keys()` returns the keys of
-        positions [indexed_upto, indexed_upto + window_size) as [B, K, W, H]; call it only when needed."""
-        raise NotImplementedError
-
-    def decode_attention(self, state, q, keys, values, lengths, prompt_lengths):
-        from clusterkv_jax.policies.common import attend_to_indices, recent_window
-
-        import jax.numpy as jnp
-
-        W, S = self.window_size(), keys.shape[2]
-
-        def recent_keys():
-            rows = jnp.minimum(self.indexed_upto(state)[:, None] + jnp.arange(W), S - 1)  # [B, W]
-            return jnp.take_along_axis(keys, rows[:, None, :, None], axis=2)
-
-        state = self.index_recent(state, recent_keys, lengths, prompt_lengths)
-        idx, mask = self.select(state, q, keys, lengths, prompt_lengths)
-        w_idx, w_mask = recent_window(lengths, self.indexed_upto(state), W)
-        return attend_to_indices(q, keys, values, idx, mask, w_idx, w_mask), state
+        return jnp.zeros((), jnp.int32)

@@ -15,20 +15,22 @@ M budgeted slots (budget - sinks), W = decode_interval.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
 from clusterkv_jax.kmeans import cosine_kmeans, problem_keys
-from clusterkv_jax.ops import map_leading
-from clusterkv_jax.policies.base import IndexedPolicy
+from clusterkv_jax.ops import per_shard
+from clusterkv_jax.policies.base import KVPolicy
 from clusterkv_jax.policies.common import expand_heads, sink_slots
+from pallas_kernels import cluster_to_token_index, cluster_to_token_index_reference, use_kernels
 
 
 @flax.struct.dataclass
 class ClusterIndex:
-    """One layer's cluster metadata (the model stacks a leading [L] axis)."""
+    """One layer's cluster metadata."""
 
     centroids: jax.Array  # [B, K, C, H] float32 mean of member keys
     sizes: jax.Array  # [B, K, C] int32 (0: unused slot)
@@ -46,45 +48,28 @@ def rank_and_index(
     scores: jax.Array,  # [..., C] float32 cluster scores
     sizes: jax.Array,  # [..., C] int32
     starts: jax.Array,  # [..., C] int32
-    sorted_tokens: jax.Array,  # [..., S] int32
+    sorted_tokens: jax.Array,  # [..., S] int32 (leading dims: a prefix of the scores': a shared token list)
     slots: int,
     kernel: str = "reference",
 ) -> tuple[jax.Array, jax.Array]:
     """Clusters in descending score order, members taken until `slots` tokens (the last cluster trimmed).
 
     Returns token positions [..., slots] and a mask [..., slots] (False where fewer tokens exist). The
-    ranking is an argsort in XLA; the slot -> token indexing runs in the Pallas `cluster_to_token_index`
-    kernel when kernel is "pallas" (or "interpret"), else in jnp below.
+    ranking is an argsort in XLA; the slot -> token indexing is `pallas_kernels.cluster_to_token_index`: the
+    Pallas kernel (kernel "pallas" / "interpret", per device shard under a mesh) or its reference.
     """
     scores = jnp.where(sizes > 0, scores, -jnp.inf)
     order = jnp.argsort(-scores, axis=-1)  # [..., C] best first
     ranked_sizes = jnp.take_along_axis(sizes, order, axis=-1)
     ranked_starts = jnp.take_along_axis(starts, order, axis=-1)
-    if kernel != "reference":
-        from pallas_kernels import cluster_to_token_index
-
-        lead, C, S = scores.shape[:-1], sizes.shape[-1], sorted_tokens.shape[-1]
-        idx, mask = cluster_to_token_index(ranked_sizes.reshape(-1, C), ranked_starts.reshape(-1, C),
-                                           sorted_tokens.reshape(-1, S), slots, interpret=kernel == "interpret")
-        return idx.reshape(lead + (slots,)), mask.reshape(lead + (slots,))
-    cum = jnp.cumsum(ranked_sizes, axis=-1)  # [..., C] inclusive prefix sums
-    lead = scores.shape[:-1]
-    j = jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), lead + (slots,))
-    # Slot j belongs to the first ranked cluster whose prefix sum exceeds j. Mapped over the leading dims
-    # without merging them, so B and heads keep their own mesh axes.
-    r = map_leading(lambda c, q: jnp.searchsorted(c, q, side="right"), len(lead))(cum, j)
-    C = sizes.shape[-1]
-    r_clip = jnp.minimum(r, C - 1)
-    before = jnp.take_along_axis(cum - ranked_sizes, r_clip, axis=-1)
-    offset = jnp.take_along_axis(ranked_starts, r_clip, axis=-1) + (j - before)
-    S = sorted_tokens.shape[-1]
-    idx = jnp.take_along_axis(sorted_tokens, jnp.clip(offset, 0, S - 1), axis=-1)
-    mask = j < cum[..., -1:]
-    return jnp.where(mask, idx, 0), mask
+    if kernel == "reference":
+        return cluster_to_token_index_reference(ranked_sizes, ranked_starts, sorted_tokens, slots)
+    run = functools.partial(cluster_to_token_index, slots=slots, interpret=kernel == "interpret")
+    return per_shard(lambda s, st, t: run(s, st, t), ranked_sizes, ranked_starts, sorted_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
-class ClusterKV(IndexedPolicy):
+class ClusterKV(KVPolicy):
     """ClusterKV (see the module docstring). `gqa="per_head"` ranks clusters per query head; `"shared"` sums
     the scores over a KV head's query heads and makes one selection per KV head."""
 
@@ -135,8 +120,6 @@ class ClusterKV(IndexedPolicy):
         """The kernel path resolved for the current device: 'pallas', 'interpret' or 'reference'."""
         if self.kernels == "interpret":
             return "interpret"
-        from pallas_kernels import use_kernels
-
         return "pallas" if use_kernels(self.kernels) else "reference"
 
     # Static sizes derived from the cache capacity S.
@@ -147,17 +130,25 @@ class ClusterKV(IndexedPolicy):
         return self.decode_clusters * (capacity // self.decode_interval + 1)
 
     def init_state(self, config, batch_size, capacity):
-        L, B, K, H = config.num_layers, batch_size, config.num_kv_heads, config.head_dim
+        B, K, H = batch_size, config.num_kv_heads, config.head_dim
         C = self.prompt_cluster_slots(capacity) + self.decode_cluster_slots(capacity)
-        zi = lambda *shape: jnp.zeros((L, *shape), jnp.int32)
+        zi = lambda *shape: jnp.zeros(shape, jnp.int32)
         return ClusterIndex(
-            centroids=jnp.zeros((L, B, K, C, H), jnp.float32),
+            centroids=jnp.zeros((B, K, C, H), jnp.float32),
             sizes=zi(B, K, C),
             starts=zi(B, K, C),
             sorted_tokens=zi(B, K, capacity),
             clustered_upto=zi(B),
             num_prompt_clusters=zi(B),
         )
+
+    def selection_shape(self, config, batch_size, capacity):
+        heads = config.num_heads if self.gqa == "per_head" else config.num_kv_heads
+        return (batch_size, heads, self.budget)
+
+    def metadata_bytes(self, config, context):
+        clusters = max(1, (context - self.sinks) // self.tokens_per_cluster)
+        return config.num_kv_heads * clusters * config.head_dim * 4  # float32 centroids
 
     def after_prefill(self, state: ClusterIndex, keys, lengths):
         B, K, S, H = keys.shape
@@ -167,16 +158,17 @@ class ClusterKV(IndexedPolicy):
         valid = (pos[None, :] >= self.sinks) & (pos[None, :] < lengths[:, None])
         num_clusters = jnp.clip((lengths - self.sinks) // self.tokens_per_cluster, 1, C0).astype(jnp.int32)
         # One problem per (sequence, KV head), kept as [B, K] leading dims (not merged: see kmeans).
-        result = cosine_kmeans(
-            keys,
-            jnp.broadcast_to(valid[:, None], (B, K, S)),
-            jnp.broadcast_to(num_clusters[:, None], (B, K)),
-            self._head_keys(B, K, salt=0),
-            max_clusters=C0,
-            max_iters=self.max_iters,
-            init=self.init,
-            kernel=self.kernel,
-        )
+        with jax.named_scope("kmeans"):
+            result = cosine_kmeans(
+                keys,
+                jnp.broadcast_to(valid[:, None], (B, K, S)),
+                jnp.broadcast_to(num_clusters[:, None], (B, K)),
+                self._head_keys(B, K, salt=0),
+                max_clusters=C0,
+                max_iters=self.max_iters,
+                init=self.init,
+                kernel=self.kernel,
+            )
         # Positions sorted by label; masked tokens (label C0) sort last.
         sorted_tokens = jnp.argsort(result.labels, axis=-1, stable=True).astype(jnp.int32)
         sizes = result.sizes
@@ -195,38 +187,35 @@ class ClusterKV(IndexedPolicy):
         return jnp.broadcast_to(per_head[None], (B,) + per_head.shape)
 
     def _scores(self, state: ClusterIndex, q):
+        """q·μ of every cluster: [B, K, G, C] per query head, or [B, K, C] summed over a KV head's query heads."""
         B, N, H = q.shape
         K = state.centroids.shape[1]
-        # [B, K, G, C] inner products with the centroids
         scores = jnp.einsum("BKGH,BKCH->BKGC", q.reshape(B, K, N // K, H).astype(jnp.float32), state.centroids)
-        if self.gqa == "shared":
-            return jnp.sum(scores, axis=2)  # [B, K, C]
-        return scores.reshape(B, N, -1)  # [B, N, C]
+        return scores if self.gqa == "per_head" else jnp.sum(scores, axis=2)
 
     def select(self, state: ClusterIndex, q, keys, lengths, prompt_lengths):
+        """Sinks, then the top clusters' members: idx, mask [B, N, budget] (gqa "per_head"; query head n
+        ranks the clusters of KV head n // G) or [B, K, budget] (gqa "shared")."""
         B, N, _ = q.shape
-        K = state.sizes.shape[1]
-        heads = N if self.gqa == "per_head" else K
-        group = heads // K  # selections per KV head
         scores = self._scores(state, q)
-
-        def per_head(x):  # [B, K, ...] -> [B, heads, ...]
-            return jnp.repeat(x, group, axis=1)
-
+        sizes, starts = state.sizes, state.starts
+        if self.gqa == "per_head":  # [B, K, G, C]: each query head ranks its KV head's clusters
+            sizes = jnp.broadcast_to(sizes[:, :, None], scores.shape)
+            starts = jnp.broadcast_to(starts[:, :, None], scores.shape)
         slots = self.budget - self.sinks
-        idx, mask = rank_and_index(
-            scores, per_head(state.sizes), per_head(state.starts), per_head(state.sorted_tokens), slots,
-            kernel=self.kernel,
-        )
+        # The KV head's token list [B, K, S] serves its G query heads as it is (no copy per query head).
+        idx, mask = rank_and_index(scores, sizes, starts, state.sorted_tokens, slots, kernel=self.kernel)
+        heads = idx.shape[1] * (idx.shape[2] if self.gqa == "per_head" else 1)
+        idx, mask = idx.reshape(B, heads, slots), mask.reshape(B, heads, slots)
         sink_idx, sink_mask = sink_slots(jnp.minimum(lengths, prompt_lengths), self.sinks)
         idx = jnp.concatenate([expand_heads(sink_idx, heads), idx], axis=-1)
         mask = jnp.concatenate([expand_heads(sink_mask, heads), mask], axis=-1)
         return idx, mask
 
-    def window_size(self) -> int:
+    def window_size(self, capacity: int) -> int:
         return self.decode_interval
 
-    def indexed_upto(self, state: ClusterIndex):
+    def window_start(self, state: ClusterIndex, lengths, prompt_lengths):
         return state.clustered_upto
 
     def index_recent(self, state: ClusterIndex, recent_keys, lengths, prompt_lengths):
@@ -244,16 +233,17 @@ class ClusterKV(IndexedPolicy):
         S = state.sorted_tokens.shape[-1]
         Cp = self.decode_clusters
         start = state.clustered_upto  # [B]
-        result = cosine_kmeans(
-            recent,
-            jnp.ones((B, K, W), bool),
-            jnp.full((B, K), Cp, jnp.int32),
-            self._head_keys(B, K, salt=1),
-            max_clusters=Cp,
-            max_iters=self.max_iters,
-            init=self.init,
-            kernel=self.kernel,
-        )
+        with jax.named_scope("kmeans"):
+            result = cosine_kmeans(
+                recent,
+                jnp.ones((B, K, W), bool),
+                jnp.full((B, K), Cp, jnp.int32),
+                self._head_keys(B, K, salt=1),
+                max_clusters=Cp,
+                max_iters=self.max_iters,
+                init=self.init,
+                kernel=self.kernel,
+            )
         order = jnp.argsort(result.labels, axis=-1, stable=True)
         sizes = result.sizes
         # Where the new clusters and their members go: after the prompt clusters and earlier decode groups.

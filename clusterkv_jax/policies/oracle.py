@@ -13,7 +13,6 @@ import jax.numpy as jnp
 from clusterkv_jax.ops import top_k_indices
 
 from clusterkv_jax.policies.base import StatelessPolicy
-from clusterkv_jax.policies.common import attend_to_indices, recent_window
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,12 +31,22 @@ class OracleTopK(StatelessPolicy):
 
     budget: int = 1024
     full_layers: int = 2
+    reads_all_keys = True  # it scores every prompt key at every step
 
     def __post_init__(self):
         if self.budget <= 0:
             raise ValueError(f"budget must be > 0, got {self.budget}")
         if self.full_layers < 0:
             raise ValueError(f"full_layers must be >= 0, got {self.full_layers}")
+
+    def selection_shape(self, config, batch_size, capacity):
+        return (batch_size, config.num_heads, min(self.budget, capacity))
+
+    def window_size(self, capacity):
+        return capacity  # the generated region [prompt_length, length) is bounded only by the capacity
+
+    def window_start(self, state, lengths, prompt_lengths):
+        return prompt_lengths
 
     def select(self, state, q, keys, lengths, prompt_lengths):
         """The exact top prompt tokens: idx, mask [B, N, min(budget, S)]."""
@@ -50,9 +59,3 @@ class OracleTopK(StatelessPolicy):
         idx = top_k_indices(scores, min(self.budget, S))  # [B, N, M]
         # Finite prompt scores rank above the -inf padding, so only slots past the prompt are masked.
         return idx, idx < prompt_lengths[:, None, None]
-
-    def decode_attention(self, state, q, keys, values, lengths, prompt_lengths):
-        idx, mask = self.select(state, q, keys, lengths, prompt_lengths)
-        # The generated region [prompt_length, length) is bounded only by the capacity: S static slots.
-        w_idx, w_mask = recent_window(lengths, prompt_lengths, keys.shape[2])  # [B, S]
-        return attend_to_indices(q, keys, values, idx, mask, w_idx, w_mask), state

@@ -18,12 +18,12 @@ import jax.numpy as jnp
 
 from clusterkv_jax.ops import top_k_indices
 
-from clusterkv_jax.policies.base import IndexedPolicy
+from clusterkv_jax.policies.base import KVPolicy
 
 
 @flax.struct.dataclass
 class QuestState:
-    """One page index; `init_state` returns it with a leading [L] axis on every leaf."""
+    """One layer's page index."""
 
     kmin: jax.Array  # [B, K, P, H] float32: element-wise min of the page's keys (0 for unused pages)
     kmax: jax.Array  # [B, K, P, H] float32: element-wise max
@@ -33,7 +33,7 @@ class QuestState:
 
 
 @dataclasses.dataclass(frozen=True)
-class Quest(IndexedPolicy):
+class Quest(KVPolicy):
     """Quest page selection.
 
     Prefill pages the prompt [0, prompt_length) (the last page may be partial). During decoding, as soon as
@@ -83,15 +83,23 @@ class Quest(IndexedPolicy):
         return -(-capacity // self.page_size) + 1
 
     def init_state(self, config, batch_size, capacity):
-        L, B, K, H = config.num_layers, batch_size, config.num_kv_heads, config.head_dim
+        B, K, H = batch_size, config.num_kv_heads, config.head_dim
         P = self.num_pages(capacity)
         return QuestState(
-            kmin=jnp.zeros((L, B, K, P, H), jnp.float32),
-            kmax=jnp.zeros((L, B, K, P, H), jnp.float32),
-            page_start=jnp.zeros((L, B, P), jnp.int32),
-            page_len=jnp.zeros((L, B, P), jnp.int32),
-            indexed_upto=jnp.zeros((L, B), jnp.int32),
+            kmin=jnp.zeros((B, K, P, H), jnp.float32),
+            kmax=jnp.zeros((B, K, P, H), jnp.float32),
+            page_start=jnp.zeros((B, P), jnp.int32),
+            page_len=jnp.zeros((B, P), jnp.int32),
+            indexed_upto=jnp.zeros((B,), jnp.int32),
         )
+
+    def selection_shape(self, config, batch_size, capacity):
+        return (batch_size, config.num_heads, min(self.budget // self.page_size, self.num_pages(capacity))
+                * self.page_size)
+
+    def metadata_bytes(self, config, context):
+        pages = -(-context // self.page_size)
+        return config.num_kv_heads * pages * 2 * config.head_dim * 4  # float32 kmin and kmax
 
     def after_prefill(self, state: QuestState, keys, lengths):
         B, K, S, H = keys.shape
@@ -113,10 +121,10 @@ class Quest(IndexedPolicy):
         return QuestState(kmin=kmin, kmax=kmax, page_start=page_start, page_len=page_len,
                           indexed_upto=lengths.astype(jnp.int32))
 
-    def window_size(self) -> int:
+    def window_size(self, capacity: int) -> int:
         return self.page_size
 
-    def indexed_upto(self, state: QuestState):
+    def window_start(self, state: QuestState, lengths, prompt_lengths):
         return state.indexed_upto
 
     def index_recent(self, state: QuestState, recent_keys, lengths, prompt_lengths) -> QuestState:

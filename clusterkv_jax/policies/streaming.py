@@ -10,7 +10,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from clusterkv_jax.policies.base import StatelessPolicy
-from clusterkv_jax.policies.common import attend_to_indices, expand_heads, recent_window, sink_slots
+from clusterkv_jax.policies.common import expand_heads, recent_window, sink_slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,8 +21,8 @@ class StreamingLLM(StatelessPolicy):
     can never be recalled. It keeps no index (its state is a placeholder).
 
     Budget accounting: the budget covers every attended token, sinks and generated tokens included (an
-    eviction policy holds a fixed B-token cache, so no generated token is attended outside the budget and
-    the recent window of `decode_attention` is empty). A sequence of n tokens attends min(n, budget) of them.
+    eviction policy holds a fixed B-token cache, so no generated token is attended outside the budget: the
+    policy has no window). A sequence of n tokens attends min(n, budget) of them.
     """
 
     budget: int = 1024
@@ -39,6 +39,9 @@ class StreamingLLM(StatelessPolicy):
         if self.full_layers < 0:
             raise ValueError(f"full_layers must be >= 0, got {self.full_layers}")
 
+    def selection_shape(self, config, batch_size, capacity):
+        return (batch_size, config.num_heads, self.budget)
+
     def select(self, state, q, keys, lengths, prompt_lengths):
         """Sinks then the sliding window: idx, mask [B, N, budget], the same for every head."""
         recent = self.budget - self.sinks
@@ -50,7 +53,3 @@ class StreamingLLM(StatelessPolicy):
         idx = expand_heads(jnp.concatenate([s_idx, r_idx], axis=-1), N)
         mask = expand_heads(jnp.concatenate([s_mask, r_mask], axis=-1), N)
         return idx, mask
-
-    def decode_attention(self, state, q, keys, values, lengths, prompt_lengths):
-        idx, mask = self.select(state, q, keys, lengths, prompt_lengths)
-        return attend_to_indices(q, keys, values, idx, mask), state

@@ -1,9 +1,6 @@
-"""Benchmarks (`clusterkv bench ...`): figures printed, never asserted.
-
-offload: for ClusterKV with host-offloaded KV, the device recall-cache hit rate for each R = cache_steps,
-the device and host KV bytes, and clustering time as a share of prefill (prefill with ClusterKV minus
-prefill with full KV, timed interleaved in one process).
-"""
+"""`clusterkv bench offload`: ClusterKV with host-offloaded KV: the device recall cache's hit rate for each
+R = cache_steps, the rows moved per step, the device and host KV bytes, and the clustering's share of prefill
+(prefill with ClusterKV minus prefill with full KV, timed interleaved in one process)."""
 
 from __future__ import annotations
 
@@ -15,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from clusterkv_jax.bench_decode import timed
+from clusterkv_jax.bench.measure import timed
 from clusterkv_jax.cache import init_cache, kv_bytes
 from clusterkv_jax.generate import bucket_length, cache_capacity, generate, prefill
 from clusterkv_jax.offload import hit_rates
@@ -57,11 +54,11 @@ def bench_offload(model, token_ids: list[int], *, context: int, new_tokens: int,
         policy = ClusterKV(budget=budget, offload=True, cache_steps=R)
         out = generate(model, prompt, new_tokens, policy=policy, stop_at_eos=False, return_cache=True)
         rates = [r for r in hit_rates(out.cache) if r is not None]
-        ost = out.cache.offload_state
+        recall = out.cache.selecting.store.recall
         results["runs"][f"R={R}"] = {
             "hit_rate": float(np.mean(rates)),
             "hit_rate_per_layer": rates,
-            "rows_fetched_per_step": float(np.sum(ost.fetched) / max(int(np.max(ost.step)), 1)),
+            "rows_fetched_per_step": float(np.sum(recall.fetched) / max(int(np.max(recall.step)), 1)),
             "kv_bytes": kv_bytes(out.cache),
             "seconds": out.seconds,
         }
@@ -73,17 +70,3 @@ def bench_offload(model, token_ids: list[int], *, context: int, new_tokens: int,
     results["clustering_s"] = clustering
     results["clustering_share_of_prefill"] = clustering / times["clusterkv"]["prefill_s"]
     return results
-
-
-def format_offload(results: dict[str, Any]) -> str:
-    lines = [f"ClusterKV offload: context {results['context']}, {results['new_tokens']} generated tokens, "
-             f"B={results['budget']}",
-             "| R | hit rate | rows fetched per step (all layers, heads) | device KV bytes | host KV bytes |", "|---|---|---|---|---|"]
-    for name, r in results["runs"].items():
-        lines.append(f"| {name[2:]} | {r['hit_rate']:.3f} | {r['rows_fetched_per_step']:.0f} | "
-                     f"{r['kv_bytes']['device']:,} | {r['kv_bytes']['host']:,} |")
-    p = results["prefill"]
-    lines.append(f"prefill: full KV {p['full']['prefill_s']:.2f}s, ClusterKV {p['clusterkv']['prefill_s']:.2f}s; "
-                 f"clustering {results['clustering_s']:.2f}s = {100 * results['clustering_share_of_prefill']:.1f}% "
-                 f"of ClusterKV's prefill")
-    return "\n".join(lines)

@@ -1,0 +1,73 @@
+"""`clusterkv bench attention`: one layer's decode attention alone, full vs each policy's decode step (index,
+select, read, attend), and its selection alone, on synthetic clustered keys."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from clusterkv_jax import attention
+from clusterkv_jax.bench.measure import compiled, timed
+from clusterkv_jax.bench.synthetic import synthetic_kv
+from clusterkv_jax.config import ModelConfig
+from clusterkv_jax.generate import bucket_length, cache_capacity
+from clusterkv_jax.policies import KVPolicy
+from clusterkv_jax.store import DeviceKV
+
+
+def bench_attention(config: ModelConfig, policies: dict[str, KVPolicy], contexts: list[int], *, batch: int = 1,
+                    dtype=jnp.float32, repeats: int = 20, seed: int = 0, progress: bool = True) -> dict[str, Any]:
+    """One layer's decode attention: full (`attention.decode_attention`) vs each selecting policy's
+    `decode_attention` and its `select` alone. Each time is the median of `repeats` calls, the policies
+    interleaved. Policies that select in no layer of `config` (full KV) are timed once, as "full"."""
+    one_layer = dataclasses.replace(config, num_layers=1)
+    results: dict[str, Any] = {"contexts": {}, "batch": batch, "dtype": str(jnp.dtype(dtype)),
+                               "geometry": {"num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads,
+                                            "head_dim": config.head_dim}}
+    N, H = config.num_heads, config.head_dim
+    for context in contexts:
+        capacity = cache_capacity(bucket_length(context), 1)
+        kv = synthetic_kv(jax.random.PRNGKey(seed), one_layer, batch, context, capacity, dtype)
+        store = DeviceKV(k=kv[0], v=kv[1])  # [1, B, K, S, H]
+        k, v = kv[0][0], kv[1][0]  # [B, K, S, H]
+        # The new token's row is already written: lengths count it.
+        lengths = jnp.full((batch,), context, jnp.int32)
+        q = jax.random.normal(jax.random.PRNGKey(seed + 1), (batch, N, H), jnp.float32).astype(dtype)
+        calls: dict[str, tuple[Any, tuple]] = {}
+        indexing: dict[str, float] = {}  # after-prefill indexing of the layer (the clustering, for ClusterKV)
+        calls["full"] = (compiled(jax.jit(attention.decode_attention), q, k, v, lengths)[0], (q, k, v, lengths))
+        for name, policy in policies.items():
+            if policy.full_layers >= config.num_layers:  # selects nothing
+                continue
+            policy = dataclasses.replace(policy, full_layers=0)
+            empty = policy.init_state(one_layer, batch, capacity)
+            index = jax.jit(lambda s, k, n, p=policy: p.after_prefill(s, k, n))
+            lay, index_s = timed(compiled(index, empty, k, lengths)[0], empty, k, lengths)
+            attend = jax.jit(lambda s, q, st, n, p=policy: p.decode_attention(s, q, st.layer(jnp.int32(0)), n, n)[0])
+            keys = k if policy.reads_all_keys else None
+            select = jax.jit(lambda s, q, k, n, p=policy: p.select(s, q, k, n, n))
+            calls[name] = (compiled(attend, lay, q, store, lengths)[0], (lay, q, store, lengths))
+            indexing[name] = index_s
+            calls[f"{name} select"] = (compiled(select, lay, q, keys, lengths)[0], (lay, q, keys, lengths))
+        times: dict[str, list[float]] = {name: [] for name in calls}
+        for i in range(repeats + 1):
+            for name, (exe, args) in calls.items():
+                _, seconds = timed(exe, *args)
+                if i:  # the first call of each warms up
+                    times[name].append(seconds)
+        row = {name: {"ms": 1e3 * statistics.median(ts)} for name, ts in times.items()}
+        for name, seconds in indexing.items():
+            row[name]["indexing_ms"] = 1e3 * seconds
+        for name, info in row.items():
+            info["speedup_vs_full"] = row["full"]["ms"] / info["ms"]
+            if name.endswith(" select"):
+                info["share_of_policy_attention"] = info["ms"] / row[name[: -len(" select")]]["ms"]
+        results["contexts"][str(context)] = row
+        if progress:
+            print(f"context {context}: " + ", ".join(f"{n} {r['ms']:.2f} ms" for n, r in row.items()), file=sys.stderr)
+    return results

@@ -1,0 +1,114 @@
+"""The KV-store protocol (clusterkv_jax.store): DeviceKV and HostKV answer it alike, as a NumPy model of the
+store says, including positions past the capacity (writes dropped, reads clamped); and causal prefill attention
+at any prompt length against NumPy."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from clusterkv_jax.attention import causal_attention
+from clusterkv_jax.offload import HostKV, to_device
+from clusterkv_jax.store import DeviceKV
+
+n, B, K, S, H, W = 2, 2, 2, 24, 4, 6
+
+
+def _stores():
+    device = DeviceKV.create(n, B, K, S, H, jnp.float32)
+    host = HostKV.create(n, B, K, S, H, jnp.float32, window=W, selection_shape=(B, 2 * K, 5), cache_steps=1)
+    return {"device": device, "host": host}
+
+
+@pytest.mark.parametrize("placement", ["device", "host"])
+def test_store_protocol_against_numpy(placement):
+    rng = np.random.default_rng(0)
+    store = _stores()[placement]
+    want_k, want_v = np.zeros((2, n, B, K, S, H), np.float32)
+    T = 10
+    prompt_k, prompt_v = rng.normal(size=(2, B, K, T, H)).astype(np.float32)
+    store = jax.jit(lambda s, k, v: s.write_prompt(jnp.int32(1), k, v))(store, prompt_k, prompt_v)
+    want_k[1, :, :, :T], want_v[1, :, :, :T] = prompt_k, prompt_v
+
+    write = jax.jit(lambda s, p, k, v: s.write_token(jnp.int32(1), p, k, v))
+    # Sequence 1 writes one position past the capacity at the last step: that write is dropped.
+    positions = [np.array([T + t, T + t if t < 3 else S]) for t in range(4)]
+    for pos in positions:
+        k, v = rng.normal(size=(2, B, K, H)).astype(np.float32)
+        store = write(store, jnp.asarray(pos, jnp.int32), k, v)
+        for b in range(B):
+            if pos[b] < S:
+                want_k[1, b, :, pos[b]], want_v[1, b, :, pos[b]] = k[b], v[b]
+
+    view = lambda s: s.layer(jnp.int32(1))  # noqa: E731
+    keys, values = jax.jit(lambda s: (view(s).keys(), view(s).values()))(store)
+    np.testing.assert_array_equal(np.asarray(keys), want_k[1])
+    np.testing.assert_array_equal(np.asarray(values), want_v[1])
+    layer0 = jax.jit(lambda s: s.layer(jnp.int32(0)).keys())(store)
+    assert not np.asarray(layer0).any(), "other layers untouched"
+
+    # A selection per query head (h = 2K, head n reads KV head n // 2) with out-of-range positions clamped.
+    idx = rng.integers(0, T + 3, (B, 2 * K, 5)).astype(np.int32)
+    idx[0, 0, 0] = S + 7  # clamped to S - 1
+    mask = rng.random((B, 2 * K, 5)) < 0.8
+    k_sel, v_sel = jax.jit(lambda s, i, m: view(s).read(i, m)[:2])(store, idx, mask)
+    kv_head = (np.arange(2 * K) // 2)[None, :, None]
+    clamped = np.minimum(idx, S - 1)
+    np.testing.assert_array_equal(np.asarray(k_sel)[mask], want_k[1, np.arange(B)[:, None, None], kv_head, clamped][mask])
+    np.testing.assert_array_equal(np.asarray(v_sel)[mask], want_v[1, np.arange(B)[:, None, None], kv_head, clamped][mask])
+
+    # The window: the last W tokens written (HostKV serves them from its device ring).
+    w_idx = np.array([[T, T + 1, T + 2, T + 3], [T, T + 1, T + 2, T + 2]], np.int32)
+    k_win, v_win = jax.jit(lambda s, i: view(s).window(i))(store, w_idx)
+    np.testing.assert_array_equal(np.asarray(k_win), np.transpose(want_k[1, np.arange(B)[:, None], :, w_idx], (0, 2, 1, 3)))
+    np.testing.assert_array_equal(np.asarray(v_win), np.transpose(want_v[1, np.arange(B)[:, None], :, w_idx], (0, 2, 1, 3)))
+
+    if placement == "host":
+        assert store.k.sharding.memory_kind == "pinned_host"
+        np.testing.assert_array_equal(np.asarray(to_device(store.k)), want_k)
+
+
+def test_kv_bytes_count_what_each_placement_holds():
+    stores = _stores()
+    row = B * K * S * H * 4
+    assert stores["device"].nbytes() == {"device": 2 * n * row, "host": 0}
+    host = stores["host"].nbytes()
+    assert host["host"] == 2 * n * row
+    ring, recall = 2 * n * B * K * W * H * 4, 2 * n * B * 2 * K * 1 * 5 * H * 4
+    assert host["device"] >= ring + recall and host["device"] < ring + recall + 4096  # plus ids and counters
+
+
+@pytest.mark.parametrize("T, block", [(300, 512), (700, 256), (1024, 256), (513, 512)])
+def test_causal_attention_at_any_length(T, block):
+    """Equal to NumPy softmax attention for prompts shorter than a block, a whole number of blocks, and not;
+    and never a [T, T] score tensor when the prompt spans several blocks."""
+    rng = np.random.default_rng(T)
+    Bq, N, Kh, Hd = 2, 4, 2, 8
+    q = rng.normal(size=(Bq, T, N, Hd)).astype(np.float32)
+    k, v = rng.normal(size=(2, Bq, T, Kh, Hd)).astype(np.float32)
+    got = np.asarray(causal_attention(q, k, v, query_block=block))
+    G = N // Kh
+    scores = np.einsum("btnh,bsnh->bnts", q, np.repeat(k, G, axis=2)) / np.sqrt(Hd)
+    scores = np.where(np.tril(np.ones((T, T), bool)), scores, -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    want = np.einsum("bnts,bsnh->btnh", p / p.sum(-1, keepdims=True), np.repeat(v, G, axis=2))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    if T > block:
+        jaxpr = jax.make_jaxpr(lambda q, k, v: causal_attention(q, k, v, query_block=block))(q, k, v)
+        shapes = list(_shapes(jaxpr.jaxpr))
+        assert any(s[-2:] == (block, T) for s in shapes), "the per-block score tensor"
+        assert not any(s[-2:] == (T, T) for s in shapes), "a [T, T] score tensor"
+
+
+def _shapes(jaxpr):
+    """Shapes of every value computed in a jaxpr, inside loop and branch bodies too."""
+    for eqn in jaxpr.eqns:
+        yield from (var.aval.shape for var in eqn.outvars)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                if hasattr(sub, "eqns"):
+                    yield from _shapes(sub)
+                elif hasattr(getattr(sub, "jaxpr", None), "eqns"):
+                    yield from _shapes(sub.jaxpr)
