@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import warnings
 from typing import Any, Mapping
 
@@ -131,8 +132,6 @@ def request_host_devices(spec: str | Mapping[str, int]) -> None:
     """Asks XLA for data*model CPU devices (appends --xla_force_host_platform_device_count to XLA_FLAGS
     unless it is set). Only works before JAX has started its backends (the first `jax.devices()` or array);
     GPU and TPU device counts are unaffected."""
-    import os
-
     sizes = parse_mesh(spec)
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:

@@ -12,6 +12,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from checkpoints_convert import params_to_hf_state_dict
+
 from clusterkv_jax.config import ModelConfig
 
 
@@ -42,8 +44,6 @@ def hf_model_from_params(config: ModelConfig, params, dtype: str = "float32"):
     HF layout, inverted)."""
     import torch
     from transformers import LlamaForCausalLM
-
-    from checkpoints_convert import params_to_hf_state_dict
 
     torch_dtype = getattr(torch, dtype)
     params32 = jax.tree.map(lambda x: np.asarray(x, np.float32), params)  # torch takes no ml_dtypes bfloat16

@@ -19,7 +19,11 @@ import os
 import sys
 from typing import Any, Sequence
 
+from tqdm.auto import tqdm
+
 from clusterkv_jax.eval.metrics import score
+from clusterkv_jax.eval.policies import make_policy, parse_choices
+from clusterkv_jax.generate import generate
 
 LONGBENCH_TASKS = ("narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "gov_report",
                    "triviaqa")
@@ -74,8 +78,6 @@ NO_CHAT_DATASETS = ("trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p")
 
 
 def parse_tasks(text: str) -> list[str]:
-    from clusterkv_jax.eval.policies import parse_choices
-
     return parse_choices(text, list(LONGBENCH_TASKS), "LongBench task")
 
 
@@ -152,8 +154,6 @@ def generate_batched(model, prompts: list[list[int]], max_new_tokens: int, polic
                      progress_bar=None) -> list[str]:
     """Greedy texts for every prompt, in batches of similar length; the last batch is padded with copies of
     its first prompt so that every call has the same batch size (no recompilation for a remainder)."""
-    from clusterkv_jax.generate import generate
-
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     size = max(1, min(batch_size, len(prompts)))
     texts: list[str | None] = [None] * len(prompts)
@@ -184,10 +184,6 @@ def run_longbench(model, data_dir: str, tasks: Sequence[str], max_length: int, b
     every budget. `max_new_tokens` overrides LongBench's per-dataset lengths (for quick runs); `chat` defaults
     to whether the tokenizer has a chat template.
     """
-    from tqdm.auto import tqdm
-
-    from clusterkv_jax.eval.policies import make_policy
-
     if model.tokenizer is None:
         raise ValueError("LongBench needs a model with a tokenizer")
     if max_length < 16:

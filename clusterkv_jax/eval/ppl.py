@@ -11,11 +11,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
 from clusterkv_jax.cache import init_cache
 from clusterkv_jax.config import ModelConfig
+from clusterkv_jax.eval.policies import make_policy
 from clusterkv_jax.generate import bucket_length, cache_capacity
 from clusterkv_jax.model import forward_decode, forward_prefill
+from clusterkv_jax.policies import FullKV
 from clusterkv_jax.policies.base import KVPolicy
 
 
@@ -79,11 +82,6 @@ def run_ppl(model, token_ids: list[int], *, context: int, eval_tokens: int, budg
             policy_names: list[str], windows: int = 1, policy_options: dict[str, dict] | None = None,
             progress: bool = True) -> dict[str, Any]:
     """Perplexity per (policy, budget) and its difference to full KV, averaged over `windows` windows."""
-    from tqdm.auto import tqdm
-
-    from clusterkv_jax.eval.policies import make_policy
-    from clusterkv_jax.policies import FullKV
-
     if eval_tokens < 2:
         raise ValueError("--eval-tokens must be >= 2")
     offsets = window_offsets(len(token_ids), context + eval_tokens, windows)

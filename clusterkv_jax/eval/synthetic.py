@@ -19,6 +19,10 @@ import uuid
 from typing import Any, Callable, Sequence
 
 import numpy as np
+from tqdm.auto import tqdm
+
+from clusterkv_jax.eval.longbench import _runs, generate_batched
+from clusterkv_jax.eval.policies import make_policy, parse_choices
 
 SYNTHETIC_TASKS = ("niah_single", "niah_multikey", "kv_retrieval")
 MULTIKEY_NEEDLES = 4
@@ -173,8 +177,6 @@ def is_correct(prediction: str, answer: str) -> bool:
 
 
 def parse_tasks(text: str) -> list[str]:
-    from clusterkv_jax.eval.policies import parse_choices
-
     return parse_choices(text, list(SYNTHETIC_TASKS), "synthetic task")
 
 
@@ -187,11 +189,6 @@ def run_synthetic(model, contexts: Sequence[int], samples: int, budgets: list[in
     Returns {"scores": {policy: {budget: {context: {task: acc, "average": mean}}}}, "accuracy": {context:
     {policy: {budget: mean over tasks}}}, ...}; full KV's entry is repeated under every budget.
     """
-    from tqdm.auto import tqdm
-
-    from clusterkv_jax.eval.longbench import _runs, generate_batched
-    from clusterkv_jax.eval.policies import make_policy
-
     if model.tokenizer is None:
         raise ValueError("synthetic tasks need a model with a tokenizer")
     if samples < 1:
