@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import json
 
 import pytest
@@ -61,3 +63,21 @@ def test_load_model_errors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(BASE))
     with pytest.raises(FileNotFoundError, match="params"):
         load_model(tmp_path)
+
+
+@pytest.mark.parametrize("env, want", [
+    ({}, "--xla_cpu_enable_concurrency_optimized_scheduler=false"),
+    ({"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+     "--xla_force_host_platform_device_count=2 --xla_cpu_enable_concurrency_optimized_scheduler=false"),
+    ({"XLA_FLAGS": "--xla_cpu_enable_concurrency_optimized_scheduler=true"},
+     "--xla_cpu_enable_concurrency_optimized_scheduler=true"),  # the user's choice is kept
+    ({"CLUSTERKV_KEEP_XLA_FLAGS": "1"}, ""),  # opted out: nothing added
+])
+def test_import_adds_the_cpu_scheduler_flag_unless_told_otherwise(env, want):
+    import subprocess
+    import sys
+
+    base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "CLUSTERKV_KEEP_XLA_FLAGS")}
+    out = subprocess.run([sys.executable, "-c", "import os, clusterkv_jax; print(os.environ.get('XLA_FLAGS', ''))"],
+                         env={**base, **env}, capture_output=True, text=True, check=True).stdout.strip()
+    assert out == want

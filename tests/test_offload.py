@@ -3,7 +3,6 @@ NumPy simulation, and device bytes that do not grow with the context."""
 
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 
 from clusterkv_jax.ops import top_k_indices
