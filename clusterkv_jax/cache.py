@@ -68,10 +68,7 @@ class KVCache:
     groups: tuple[LayerGroup, ...]
     lengths: jax.Array  # [B] int32: tokens stored (prompt + generated)
     prompt_lengths: jax.Array  # [B] int32: tokens that came from the prompt
-
-    @property
-    def capacity(self) -> int:
-        return self.groups[0].store.capacity
+    capacity: int = flax.struct.field(pytree_node=False, default=0)  # S: positions each sequence can hold
 
     @property
     def batch_size(self) -> int:
@@ -104,14 +101,15 @@ class KVCache:
         raise IndexError(f"layer {layer} out of range")
 
     def layer_kv(self, layer: int) -> tuple[jax.Array, jax.Array]:
-        """Keys and values [B, K, S, H] of model layer `layer`, on the device (tests, benchmarks, plots)."""
+        """Keys and values [B, K, R, H] of every store row of model layer `layer`, on the device (tests,
+        benchmarks, plots). Row r holds position r unless the policy lays its layers out otherwise."""
         return _layer_kv(self, layer)
 
 
 @functools.partial(jax.jit, static_argnums=1)
 def _layer_kv(cache: KVCache, layer: int):
     group, i = cache.group_of(layer)
-    view = group.store.layer(jnp.int32(i))
+    view = group.store.layer(jnp.int32(i), cache.capacity)
     return view.keys(), view.values()
 
 
@@ -121,25 +119,27 @@ def init_cache(config: ModelConfig, policy, batch_size: int, capacity: int, dtyp
     groups = []
     for plan in layer_groups(config, policy):
         n = plan.stop - plan.start
+        rows = policy.store_rows(capacity) if plan.selecting else capacity
         if not plan.on_host:
-            store = DeviceKV.create(n, B, K, capacity, H, dtype)
+            store = DeviceKV.create(n, B, K, rows, H, dtype)
         elif plan.selecting:
-            store = HostKV.create(n, B, K, capacity, H, dtype, window=policy.window_size(capacity),
+            store = HostKV.create(n, B, K, rows, H, dtype, window=policy.window_size(capacity),
                                   selection_shape=policy.selection_shape(config, B, capacity),
                                   cache_steps=policy.cache_steps)
         else:
-            store = HostKV.create(n, B, K, capacity, H, dtype)
+            store = HostKV.create(n, B, K, rows, H, dtype)
         state = policy.init_states(config, B, capacity, range(plan.start, plan.stop)) if plan.selecting else None
         groups.append(LayerGroup(store=store, state=state, start=plan.start, selecting=plan.selecting))
     # Two arrays, not one: a donated cache must not pass the same buffer twice.
-    return KVCache(groups=tuple(groups), lengths=jnp.zeros((B,), jnp.int32), prompt_lengths=jnp.zeros((B,), jnp.int32))
+    return KVCache(groups=tuple(groups), lengths=jnp.zeros((B,), jnp.int32), prompt_lengths=jnp.zeros((B,), jnp.int32),
+                   capacity=capacity)
 
 
 def memory_kinds(cache: KVCache) -> KVCache:
     """The cache with every array replaced by its memory kind ("device", or the host kind of HostKV arrays)."""
     groups = tuple(g.replace(store=g.store.memory_kinds(), state=jax.tree.map(lambda _: "device", g.state))
                    for g in cache.groups)
-    return cache.replace(groups=groups, lengths="device", prompt_lengths="device")
+    return cache.replace(groups=groups, lengths="device", prompt_lengths="device")  # capacity: static
 
 
 def kv_bytes(cache: KVCache) -> dict[str, int]:
@@ -152,17 +152,27 @@ def kv_bytes(cache: KVCache) -> dict[str, int]:
     return total
 
 
-def write_prompt_layer(policy, group: LayerGroup, store, state, i, k_rows, v_rows, lengths):
-    """What prefill does with layer i of `group` once its K/V are computed: store the prompt's K/V [B, K, T, H]
-    as rows [0, T) and, in a selecting group, let the policy index the keys. Returns (store, state)."""
-    store = store.write_prompt(i, k_rows, v_rows)
-    if group.selecting:
-        with jax.named_scope("index"):
-            T, S = k_rows.shape[2], store.capacity
-            # The policy sees this layer's keys [B, K, S, H] (rows >= lengths are padding), in the store's dtype.
-            keys = jnp.pad(k_rows.astype(store.k.dtype), ((0, 0), (0, 0), (0, S - T), (0, 0)))
-            state = policy.after_prefill(state, keys, lengths)
-    return store, state
+def write_prompt_layer(policy, group: LayerGroup, store, state, i, k_rows, v_rows, lengths, capacity: int):
+    """What prefill does with layer i of `group` once its K/V are computed: in a selecting group, let the policy
+    index the keys; store the prompt's K/V [B, K, T, H] as rows [0, T), or where the policy's layout puts each
+    position (`prompt_rows`). Returns (store, state)."""
+    if not group.selecting:
+        return store.write_prompt(i, k_rows, v_rows), state
+    T = k_rows.shape[2]
+    pad = ((0, 0), (0, 0), (0, capacity - T), (0, 0))
+    with jax.named_scope("index"):
+        # The policy sees this layer's keys [B, K, S, H] (rows >= lengths are padding), in the store's dtype.
+        keys = jnp.pad(k_rows.astype(store.k.dtype), pad)
+        state = policy.after_prefill(state, keys, lengths)
+    layout = policy.prompt_rows(state)  # [B, K, R] position of each row, or None: row = position
+    if layout is None:
+        return store.write_prompt(i, k_rows, v_rows), state
+    with jax.named_scope("layout"):
+        held = (layout >= 0)[..., None]
+        rows = jnp.clip(layout, 0, capacity - 1)[..., None]
+        k = jnp.where(held, jnp.take_along_axis(keys, rows, axis=2), 0)
+        v = jnp.where(held, jnp.take_along_axis(jnp.pad(v_rows.astype(store.v.dtype), pad), rows, axis=2), 0)
+    return store.write_layer(i, k, v), state
 
 
 @functools.partial(jax.jit, static_argnames=("policy",), donate_argnames=("cache",))
@@ -173,7 +183,7 @@ def write_prompt(cache: KVCache, keys: jax.Array, values: jax.Array, lengths: ja
     for group in cache.groups:
         def body(store, xs, group=group):
             i, state, k, v = xs
-            store, state = write_prompt_layer(policy, group, store, state, i, k, v, lengths)
+            store, state = write_prompt_layer(policy, group, store, state, i, k, v, lengths, cache.capacity)
             return store, state
 
         n = group.num_layers

@@ -202,7 +202,7 @@ def forward_prefill(
             # [B, K, T, H] rows 0..T of this layer, in the store's dtype.
             k_rows = jnp.swapaxes(k, 1, 2).astype(store.k.dtype)
             v_rows = jnp.swapaxes(v, 1, 2).astype(store.v.dtype)
-            stored = write_prompt_layer(policy, group, store, state, i, k_rows, v_rows, lengths)
+            stored = write_prompt_layer(policy, group, store, state, i, k_rows, v_rows, lengths, S)
             return attention.causal_attention(q, k, v, query_block=PREFILL_QUERY_BLOCK), stored
 
         x, (store, state) = _layer(layer, config, x, positions, inv_freq, attend)
@@ -229,12 +229,14 @@ def forward_decode(
     inv_freq = rope_inv_freq(config)
     positions = cache.lengths[:, None]  # [B, 1]
     new_lengths = cache.lengths + 1
+    S = cache.capacity
 
     def step(group, layer, i, x, store, state):
         def attend(q, k, v):
             q1 = q[:, 0]  # [B, N, H]
-            # This token's K/V [B, K, H] at each sequence's own position.
-            kv = store.write_token(i, cache.lengths, k[:, 0], v[:, 0]).layer(i)
+            # This token's K/V [B, K, H] at each sequence's own position (at the row the policy keeps it in).
+            rows = policy.token_rows(state, cache.lengths, S) if group.selecting else cache.lengths
+            kv = store.write_token(i, rows, k[:, 0], v[:, 0]).layer(i, S)
             if group.selecting:
                 out, new_state, kv = policy.decode_attention(state, q1, kv, new_lengths, cache.prompt_lengths)
             else:

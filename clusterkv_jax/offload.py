@@ -6,17 +6,18 @@ where a backend lacks it we fall back and warn once). For a group of selecting l
 
 - a ring of the last W tokens written (slot = position % W): the policy's unindexed window, read every step
   and clustered from when it is due, without a host round trip;
-- a recall cache: the rows selected in the last R = `cache_steps` steps, with their positions.
+- a recall cache: the chunks (rows, ClusterKV's blocks, Quest's pages) selected in the last R = `cache_steps`
+  steps, looked up by their first row.
 
 Each decode step of such a layer: the new token's K/V go to the host store and to the ring; the policy
-selects on the device; `read` looks the selection up in the recall cache and fetches only the misses from
-the host (miss positions move to the host, the host gathers them inside the same jit via `compute_on`, the
-rows move back), in transfers bucketed to M/8, M/4, M/2 or M rows so shapes stay static yet shrink with the
-misses. Results equal the on-device path exactly. A group of full layers (`FullKV(offload=True)`) has neither
+selects on the device; `read` looks the selected chunks up in the recall cache and fetches only the missing
+chunks from the host (their first rows move to the host, the host gathers the chunks inside the same jit via
+`compute_on`, they move back), in transfers bucketed to c/8, c/4, c/2 or c chunks so shapes stay static yet
+shrink with the misses. Results equal the on-device path exactly. A group of full layers (`FullKV(offload=True)`) has neither
 buffer: each step streams the whole layer to the device.
 
 Device bytes of an offloaded selecting group depend on (budget, R, W), not on the context length.
-Shapes: n layers, B batch, K KV heads, h selection heads (N or K), M budgeted slots, W window, H head dim.
+Shapes: n layers, B batch, K KV heads, h selection heads (N or K), c chunks of `chunk` rows, W window, H head dim.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import numpy as np
 from jax.experimental.compute_on import compute_on
 
 from clusterkv_jax.ops import gather_rows, per_kv_head, row_index, scatter_rows
-from clusterkv_jax.store import KVStore, LayerView
+from clusterkv_jax.store import KVStore, LayerView, Selection
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,23 +93,25 @@ def host_zeros(shape, dtype):
 
 @flax.struct.dataclass
 class RecallCache:
-    """The rows each selection head selected in the last R steps, per layer of the group, and counters."""
+    """The chunks each selection head selected in the last R steps (by their first row), per layer of the group,
+    with their rows, and counters."""
 
-    ids: jax.Array  # [n, B, h, R, M] int32 positions (-1: empty)
-    k: jax.Array  # [n, B, h, R, M, H]
-    v: jax.Array  # [n, B, h, R, M, H]
+    ids: jax.Array  # [n, B, h, R, c] int32 first row of each cached chunk (-1: empty)
+    k: jax.Array  # [n, B, h, R, c, chunk, H]
+    v: jax.Array  # [n, B, h, R, c, chunk, H]
     step: jax.Array  # [n] int32 decode steps seen
     hits: jax.Array  # [n] float32 selected rows served from the cache, summed over steps
     selected: jax.Array  # [n] float32 selected rows, summed over steps
     fetched: jax.Array  # [n] float32 rows moved host -> device (bucketed transfer sizes), summed
 
     @classmethod
-    def create(cls, layers: int, selection_shape: tuple[int, int, int], steps: int, head_dim: int, dtype):
-        B, h, M = selection_shape
+    def create(cls, layers: int, selection_shape: tuple[int, int, int, int], steps: int, head_dim: int, dtype):
+        """selection_shape: (B, h, c chunks, chunk rows) of the policy's selection."""
+        B, h, c, chunk = selection_shape
         zeros = lambda: jnp.zeros((layers,), jnp.float32)  # a buffer each: the cache is donated
-        return cls(ids=jnp.full((layers, B, h, steps, M), -1, jnp.int32),
-                   k=jnp.zeros((layers, B, h, steps, M, head_dim), dtype),
-                   v=jnp.zeros((layers, B, h, steps, M, head_dim), dtype),
+        return cls(ids=jnp.full((layers, B, h, steps, c), -1, jnp.int32),
+                   k=jnp.zeros((layers, B, h, steps, c, chunk, head_dim), dtype),
+                   v=jnp.zeros((layers, B, h, steps, c, chunk, head_dim), dtype),
                    step=jnp.zeros((layers,), jnp.int32), hits=zeros(), selected=zeros(), fetched=zeros())
 
     @property
@@ -120,18 +123,19 @@ class RecallCache:
 class HostKV(KVStore):
     """Keys and values of a group of layers in host memory (see the module docstring)."""
 
-    k: jax.Array  # [n, B, K, S, H] memory kind pinned_host
-    v: jax.Array  # [n, B, K, S, H]
-    ring_k: jax.Array | None = None  # [n, B, K, W, H] device: the last W tokens written, slot = position % W
+    k: jax.Array  # [n, B, K, R, H] memory kind pinned_host
+    v: jax.Array  # [n, B, K, R, H]
+    ring_k: jax.Array | None = None  # [n, B, K, W, H] device: the last W tokens written, slot = row % W
     ring_v: jax.Array | None = None
-    recall: RecallCache | None = None  # device: rows selected in the last R steps
+    recall: RecallCache | None = None  # device: chunks selected in the last R steps
 
     @classmethod
-    def create(cls, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype, *,
-               window: int = 0, selection_shape: tuple[int, int, int] | None = None, cache_steps: int = 0):
-        """window > 0 keeps a device ring of that many recent tokens; selection_shape (B, h, M) adds the recall
-        cache of `cache_steps` steps (a group of selecting layers); without it the group streams whole layers."""
-        shape = (layers, batch, kv_heads, capacity, head_dim)
+    def create(cls, layers: int, batch: int, kv_heads: int, rows: int, head_dim: int, dtype, *, window: int = 0,
+               selection_shape: tuple[int, int, int, int] | None = None, cache_steps: int = 0):
+        """window > 0 keeps a device ring of that many recent tokens; selection_shape (B, h, c, chunk) adds the
+        recall cache of `cache_steps` steps (a group of selecting layers); without it the group streams whole
+        layers."""
+        shape = (layers, batch, kv_heads, rows, head_dim)
         store = cls(k=host_zeros(shape, dtype), v=host_zeros(shape, dtype))
         if window:
             ring = (layers, batch, kv_heads, window, head_dim)
@@ -147,41 +151,48 @@ class HostKV(KVStore):
         k_h, v_h, at = to_host(k[None].astype(self.k.dtype)), to_host(v[None].astype(self.v.dtype)), to_host(layer)
         return self.replace(k=_on_host(write, self.k, k_h, at), v=_on_host(write, self.v, v_h, at))
 
-    def write_token(self, layer, positions, k, v) -> "HostKV":
-        B, K = k.shape[:2]
-        rows = to_host(row_index(jnp.broadcast_to(positions[:, None, None], (B, K, 1)), layer))
-        k_h, v_h = to_host(k[:, :, None].astype(self.k.dtype)), to_host(v[:, :, None].astype(self.v.dtype))
+    write_layer = write_prompt  # the same write, of all R rows
+
+    def _write_rows(self, index, k, v) -> "HostKV":
+        """Host rows at index [B, K, m, 2] (from row_index) <- k, v [B, K, m, H] (out of range: dropped)."""
+        index = to_host(index)
+        k_h, v_h = to_host(k.astype(self.k.dtype)), to_host(v.astype(self.v.dtype))
 
         def write(store, new):
-            return scatter_rows(store, rows, new)
+            return scatter_rows(store, index, new)
 
-        store = self.replace(k=_on_host(write, self.k, k_h), v=_on_host(write, self.v, v_h))
+        return self.replace(k=_on_host(write, self.k, k_h), v=_on_host(write, self.v, v_h))
+
+    def write_token(self, layer, rows, k, v) -> "HostKV":
+        B, K = k.shape[:2]
+        store = self._write_rows(row_index(jnp.broadcast_to(rows[:, None, None], (B, K, 1)), layer),
+                                 k[:, :, None], v[:, :, None])
         if self.ring_k is None:
             return store
         W = self.ring_k.shape[3]
-        # A position past the capacity is dropped from the ring as from the host store (slot W: out of range).
-        slot = jnp.where(positions < self.capacity, positions % W, W)
+        # A row out of range (a token past the capacity) is dropped from the ring as from the host store.
+        slot = jnp.where((rows >= 0) & (rows < self.capacity), rows % W, W)
         slots = row_index(jnp.broadcast_to(slot[:, None, None], (B, K, 1)), layer)
         return store.replace(ring_k=scatter_rows(self.ring_k, slots, k[:, :, None]),
                              ring_v=scatter_rows(self.ring_v, slots, v[:, :, None]))
 
-    def layer(self, layer) -> "HostLayer":
-        return HostLayer(self, layer)
+    def layer(self, layer, positions: int | None = None) -> "HostLayer":
+        return HostLayer(self, layer, self.capacity if positions is None else positions)
 
     def memory_kinds(self) -> "HostKV":
         host = host_memory_kind() or "device"
         return jax.tree.map(lambda _: "device", self).replace(k=host, v=host)
 
 
-def _miss_buckets(M: int) -> list[int]:
-    return sorted({max(1, M // 8), max(1, M // 4), max(1, M // 2), M})
+def _miss_buckets(c: int) -> list[int]:
+    return sorted({max(1, c // 8), max(1, c // 4), max(1, c // 2), c})
 
 
 class HostLayer(LayerView):
     """One layer of a HostKV."""
 
     def _stream(self, store):
-        """The whole layer, sliced on the host and moved to the device: [B, K, S, H]."""
+        """The whole layer, sliced on the host and moved to the device: [B, K, R, H]."""
         at = to_host(self.index)
         return to_device(_on_host(lambda s, i: jax.lax.dynamic_index_in_dim(s, i, keepdims=False), store, at))
 
@@ -191,82 +202,91 @@ class HostLayer(LayerView):
     def values(self):
         return self._stream(self.store.v)
 
-    def host_gather(self, idx):
-        """Host rows at positions idx [B, h, n] (head n reads KV head n // (h // K)) -> device [B, h, n, H]."""
-        B, h, n = idx.shape
+    def host_gather(self, starts, chunk: int):
+        """Host chunks of `chunk` rows from starts [B, h, n] (head n reads KV head n // (h // K)) -> device
+        [B, h, n, chunk, H]."""
+        B, h, n = starts.shape
         K, H = self.store.k.shape[2], self.store.k.shape[4]
         # In range by construction (clamped on the device), so the host computation is a plain gather.
-        safe = jnp.clip(per_kv_head(idx, K), 0, self.capacity - 1)
-        rows = to_host(row_index(safe, self.index))
+        safe = jnp.clip(per_kv_head(starts, K), 0, self.store.capacity - chunk)
+        index = to_host(row_index(safe, self.index))
 
         def gather(store):
-            return gather_rows(store, rows, mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+            return gather_rows(store, index, mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS, chunk=chunk)
 
         k = to_device(_on_host(gather, self.store.k))
         v = to_device(_on_host(gather, self.store.v))
-        return k.reshape(B, h, n, H), v.reshape(B, h, n, H)
+        return k.reshape(B, h, n, chunk, H), v.reshape(B, h, n, chunk, H)
 
-    def window(self, idx):
-        B, W = idx.shape
+    def window(self, rows):
+        B, W = rows.shape
         K = self.store.ring_k.shape[2]
-        slots = row_index(jnp.broadcast_to((idx % self.store.ring_k.shape[3])[:, None, :], (B, K, W)), self.index)
+        slots = row_index(jnp.broadcast_to((rows % self.store.ring_k.shape[3])[:, None, :], (B, K, W)), self.index)
         return gather_rows(self.store.ring_k, slots), gather_rows(self.store.ring_v, slots)
 
+    def commit_window(self, rows, dest) -> "HostLayer":
+        k, v = self.window(rows)  # [B, K, W, H] from the device ring
+        return HostLayer(self.store._write_rows(row_index(dest, self.index), k, v), self.index, self.positions)
+
     @jax.named_scope("recall")
-    def read(self, idx, mask):
-        """Rows for the selection idx/mask [B, h, M]: recall-cache hits from the device, misses from the host."""
+    def read(self, selection: Selection):
+        """The selected chunks: recall-cache hits from the device, misses fetched from the host."""
         rc = self.store.recall
         at = self.index
-        B, h, M = idx.shape
-        H = self.store.k.shape[4]
+        starts, mask = selection.starts, jnp.any(selection.mask, axis=-1)  # [B, h, c]: chunks holding a token
+        B, h, c = starts.shape
+        chunk, H = selection.chunk, self.store.k.shape[4]
         R = rc.steps
         count = lambda a, x: a.at[at].add(x)
-        if R == 0:  # no cache: every selected row crosses
-            k, v = self.host_gather(idx)
-            rc = rc.replace(step=count(rc.step, 1), selected=count(rc.selected, jnp.sum(mask)),
-                            fetched=count(rc.fetched, float(B * h * M)))
-            return k, v, HostLayer(self.store.replace(recall=rc), at)
+        flat = lambda x: x.reshape(B, h, c * chunk, H)
+        rows_selected = jnp.sum(selection.mask)
+        if R == 0:  # no cache: every selected chunk crosses
+            k, v = self.host_gather(starts, chunk)
+            rc = rc.replace(step=count(rc.step, 1), selected=count(rc.selected, rows_selected),
+                            fetched=count(rc.fetched, float(B * h * c * chunk)))
+            return flat(k), flat(v), HostLayer(self.store.replace(recall=rc), at, self.positions)
         layer_of = lambda x: jax.lax.dynamic_index_in_dim(x, at, keepdims=False)
-        # Look each slot up among the R·M cached positions: sort once, then binary search.
-        cached = layer_of(rc.ids).reshape(B, h, R * M)
+        # Look each chunk up among the R·c cached ones: sort once, then binary search.
+        cached = layer_of(rc.ids).reshape(B, h, R * c)
         order = jnp.argsort(cached, axis=-1)
         sorted_ids = jnp.take_along_axis(cached, order, axis=-1)
-        pos = jax.vmap(jax.vmap(lambda s, q: jnp.searchsorted(s, q)))(sorted_ids, idx)
-        pos = jnp.minimum(pos, R * M - 1)
-        hit = (jnp.take_along_axis(sorted_ids, pos, axis=-1) == idx) & mask  # [B, h, M]
-        where_cached = jnp.take_along_axis(order, pos, axis=-1)[..., None]
-        cached_k = jnp.take_along_axis(layer_of(rc.k).reshape(B, h, R * M, H), where_cached, axis=2)
-        cached_v = jnp.take_along_axis(layer_of(rc.v).reshape(B, h, R * M, H), where_cached, axis=2)
+        pos = jax.vmap(jax.vmap(lambda s, x: jnp.searchsorted(s, x)))(sorted_ids, starts)
+        pos = jnp.minimum(pos, R * c - 1)
+        hit = (jnp.take_along_axis(sorted_ids, pos, axis=-1) == starts) & mask  # [B, h, c]
+        where_cached = jnp.take_along_axis(order, pos, axis=-1)[..., None, None]
+        cached_k = jnp.take_along_axis(layer_of(rc.k).reshape(B, h, R * c, chunk, H), where_cached, axis=2)
+        cached_v = jnp.take_along_axis(layer_of(rc.v).reshape(B, h, R * c, chunk, H), where_cached, axis=2)
 
-        # Misses first (stable), then fetch only as many rows as the fullest head needs, rounded up to a bucket.
+        # Misses first (stable), then fetch only as many chunks as the fullest head needs, rounded up to a bucket.
         miss = mask & ~hit
-        miss_first = jnp.argsort(~miss, axis=-1, stable=True)  # [B, h, M]
-        miss_ids = jnp.take_along_axis(idx, miss_first, axis=-1)
-        buckets = _miss_buckets(M)
+        miss_first = jnp.argsort(~miss, axis=-1, stable=True)  # [B, h, c]
+        miss_starts = jnp.take_along_axis(starts, miss_first, axis=-1)
+        buckets = _miss_buckets(c)
         most = jnp.max(jnp.sum(miss, axis=-1))
         bucket = jnp.sum(jnp.array(buckets[:-1]) < most)  # index of the smallest bucket holding `most`
 
         def fetch(n):
             def run(_):
-                k, v = self.host_gather(miss_ids[..., :n])  # [B, h, n, H]
+                k, v = self.host_gather(miss_starts[..., :n], chunk)  # [B, h, n, chunk, H]
                 dest = miss_first[..., :n]
                 put = jax.vmap(jax.vmap(lambda z, d, r: z.at[d].set(r)))
-                zeros = jnp.zeros((B, h, M, H), k.dtype)
-                return put(zeros, dest, k), put(zeros, dest, v), jnp.float32(B * h * n)
+                zeros = jnp.zeros((B, h, c, chunk, H), k.dtype)
+                return put(zeros, dest, k), put(zeros, dest, v), jnp.float32(B * h * n * chunk)
             return run
 
         fetched_k, fetched_v, moved = jax.lax.switch(bucket, [fetch(n) for n in buckets], None)
-        k = jnp.where(hit[..., None], cached_k.astype(fetched_k.dtype), fetched_k)
-        v = jnp.where(hit[..., None], cached_v.astype(fetched_v.dtype), fetched_v)
+        k = jnp.where(hit[..., None, None], cached_k.astype(fetched_k.dtype), fetched_k)
+        v = jnp.where(hit[..., None, None], cached_v.astype(fetched_v.dtype), fetched_v)
         slot = layer_of(rc.step) % R
         put = lambda a, x: jax.lax.dynamic_update_index_in_dim(
             a, jax.lax.dynamic_update_index_in_dim(layer_of(a), x.astype(a.dtype), slot, axis=2), at, axis=0)
+        hit_rows = jnp.sum(jnp.where(hit[..., None], selection.mask, False))
         rc = rc.replace(
-            ids=put(rc.ids, jnp.where(mask, idx, -1)), k=put(rc.k, k), v=put(rc.v, v),
-            step=count(rc.step, 1), hits=count(rc.hits, jnp.sum(hit)), selected=count(rc.selected, jnp.sum(mask)),
+            ids=put(rc.ids, jnp.where(mask, starts, -1)), k=put(rc.k, k), v=put(rc.v, v),
+            step=count(rc.step, 1), hits=count(rc.hits, hit_rows), selected=count(rc.selected, rows_selected),
             fetched=count(rc.fetched, moved),
         )
-        return k, v, HostLayer(self.store.replace(recall=rc), at)
+        return flat(k), flat(v), HostLayer(self.store.replace(recall=rc), at, self.positions)
 
 
 def hit_rates(cache) -> list[float | None]:

@@ -106,13 +106,23 @@ def row_index(positions: jax.Array, layer: jax.Array | int | None = None) -> jax
     return jnp.stack([layer, positions], axis=-1)
 
 
-def gather_rows(store: jax.Array, index: jax.Array, mode=READ_MODE) -> jax.Array:
-    """store [L, B, K, S, H] or [B, K, S, H], index [B, K, n, .] from `row_index` -> rows [B, K, n, H]."""
+def gather_rows(store: jax.Array, index: jax.Array, mode=READ_MODE, chunk: int = 1) -> jax.Array:
+    """store [L, B, K, S, H] or [B, K, S, H], index [B, K, n, .] from `row_index` -> rows [B, K, n, H]; with
+    `chunk` > 1 each index is the first of `chunk` consecutive rows: -> [B, K, n, chunk, H] (one contiguous slice
+    per index, so XLA copies chunks instead of computing an address per row)."""
     d = _row_dims(store.ndim)
-    dims = jax.lax.GatherDimensionNumbers(offset_dims=(3,), collapsed_slice_dims=d["collapsed"],
+    if chunk == 1:
+        dims = jax.lax.GatherDimensionNumbers(offset_dims=(3,), collapsed_slice_dims=d["collapsed"],
+                                              start_index_map=d["index_map"], operand_batching_dims=d["batching"],
+                                              start_indices_batching_dims=(0, 1))
+        return jax.lax.gather(store, index, dims, slice_sizes=(1,) * (store.ndim - 1) + (store.shape[-1],),
+                              mode=mode)
+    layer = (0,) if store.ndim == 5 else ()
+    dims = jax.lax.GatherDimensionNumbers(offset_dims=(3, 4), collapsed_slice_dims=layer,
                                           start_index_map=d["index_map"], operand_batching_dims=d["batching"],
                                           start_indices_batching_dims=(0, 1))
-    return jax.lax.gather(store, index, dims, slice_sizes=(1,) * (store.ndim - 1) + (store.shape[-1],), mode=mode)
+    sizes = (1,) * (store.ndim - 2) + (chunk, store.shape[-1])
+    return jax.lax.gather(store, index, dims, slice_sizes=sizes, mode=mode)
 
 
 def scatter_rows(store: jax.Array, index: jax.Array, rows: jax.Array, mode=WRITE_MODE) -> jax.Array:

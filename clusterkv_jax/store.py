@@ -1,7 +1,9 @@
 """KV stores: where one group of layers keeps its keys and values, behind one small protocol.
 
-A store holds the K/V of a contiguous group of layers stacked on a leading axis, padded to a static capacity:
-[n, B, K, S, H]. Two placements implement the protocol:
+A store holds the K/V of a contiguous group of layers stacked on a leading axis: [n, B, K, R, H], R rows per
+(layer, sequence, KV head). For most policies row r holds position r (R = the capacity S); a policy may lay its
+layers out otherwise (ClusterKV keeps each cluster's members in consecutive rows), see `policies.base`. Two
+placements implement the protocol:
 
 - `DeviceKV` (here): device memory.
 - `HostKV` (`clusterkv_jax.offload`): host memory (`pinned_host`), plus device buffers for the unindexed recent
@@ -10,17 +12,22 @@ A store holds the K/V of a contiguous group of layers stacked on a leading axis,
 The protocol (`layer` is the layer's index inside the group, a traced int):
 
     store.write_prompt(layer, k, v)             k, v [B, K, T, H] become rows [0, T)
-    store.write_token(layer, positions, k, v)   k, v [B, K, H] become row positions[b] of sequence b
+    store.write_layer(layer, k, v)              k, v [B, K, R, H] become every row of the layer
+    store.write_token(layer, rows, k, v)        k, v [B, K, H] become row rows[b] of sequence b (out of range:
+                                                dropped)
     view = store.layer(layer)                   one layer, as attention reads it:
-        view.keys(), view.values()              [B, K, S, H] every row, on the device
-        view.read(idx, mask) -> (k, v, view)    rows [B, h, M, H] of a selection idx [B, h, M] (h = N query
-                                                heads, query head n reading KV head n // G; or h = K)
-        view.window(idx) -> (k, v)              rows [B, K, W, H] at positions idx [B, W] of the unindexed window
+        view.keys(), view.values()              [B, K, R, H] every row, on the device
+        view.read(selection) -> (k, v, view)    rows [B, h, n * chunk, H] of a `Selection` (h = N query heads,
+                                                query head n reading KV head n // G; or h = K)
+        view.window(rows) -> (k, v)             rows [B, K, W, H] at rows [B, W] of the unindexed window (the
+                                                same rows for every KV head)
+        view.commit_window(rows, dest) -> view  copies window rows [B, W] to rows dest [B, K, W] (dest out of
+                                                range: nothing copied)
         view.store                              the store after the reads (HostKV keeps a recall cache)
     store.memory_kinds()                        the store with every array replaced by its memory kind
     store.nbytes()                              {"device": bytes, "host": bytes} actually held
 
-Shapes: n layers in the group, B batch, K KV heads, S capacity, H head dim.
+Shapes: n layers in the group, B batch, K KV heads, R rows, H head dim.
 """
 
 from __future__ import annotations
@@ -32,6 +39,38 @@ import jax
 import jax.numpy as jnp
 
 from clusterkv_jax.ops import gather_rows, per_kv_head, row_index, scatter_rows
+
+
+@flax.struct.dataclass
+class Selection:
+    """The rows one decode step attends, per selection head: n chunks of `chunk` consecutive store rows.
+
+    chunk = 1 is a plain list of rows; ClusterKV selects whole blocks of a cluster's members, Quest whole pages.
+    A chunk's first row identifies it (the recall cache of host offload looks chunks up by it)."""
+
+    starts: jax.Array  # [B, h, n] int32 first row of each chunk
+    mask: jax.Array  # [B, h, n, chunk] bool rows holding a selected token
+    chunk: int = flax.struct.field(pytree_node=False, default=1)
+
+    @classmethod
+    def of_rows(cls, rows: jax.Array, mask: jax.Array) -> "Selection":
+        """A selection of single rows [B, h, M] (as most policies make it)."""
+        return cls(starts=rows.astype(jnp.int32), mask=mask[..., None], chunk=1)
+
+    def rows(self) -> jax.Array:
+        """[B, h, n * chunk] every selected row, chunk after chunk."""
+        B, h, n = self.starts.shape
+        return (self.starts[..., None] + jnp.arange(self.chunk, dtype=jnp.int32)).reshape(B, h, n * self.chunk)
+
+    def flat_mask(self) -> jax.Array:
+        """[B, h, n * chunk]"""
+        B, h, n = self.starts.shape
+        return self.mask.reshape(B, h, n * self.chunk)
+
+
+def as_selection(selected) -> Selection:
+    """A policy's `select` result as a Selection (a pair (rows, mask) [B, h, M] is a selection of single rows)."""
+    return selected if isinstance(selected, Selection) else Selection.of_rows(*selected)
 
 
 class KVStore:
@@ -56,10 +95,7 @@ class LayerView:
 
     store: KVStore
     index: jax.Array  # [] int32 the layer inside the store's group
-
-    @property
-    def capacity(self) -> int:
-        return self.store.capacity
+    positions: int  # S, the cache's capacity in positions (the store may have more rows than positions)
 
 
 @flax.struct.dataclass
@@ -79,13 +115,16 @@ class DeviceKV(KVStore):
         return self.replace(k=jax.lax.dynamic_update_slice(self.k, k[None].astype(self.k.dtype), start),
                             v=jax.lax.dynamic_update_slice(self.v, v[None].astype(self.v.dtype), start))
 
-    def write_token(self, layer, positions, k, v) -> "DeviceKV":
-        # [B, K, 1] rows, B and K as scatter batching dims: a sharded store is written shard by shard.
-        rows = row_index(jnp.broadcast_to(positions[:, None, None], k.shape[:2] + (1,)), layer)
-        return self.replace(k=scatter_rows(self.k, rows, k[:, :, None]), v=scatter_rows(self.v, rows, v[:, :, None]))
+    write_layer = write_prompt  # the same write, of all R rows
 
-    def layer(self, layer) -> "DeviceLayer":
-        return DeviceLayer(self, layer)
+    def write_token(self, layer, rows, k, v) -> "DeviceKV":
+        # [B, K, 1] rows, B and K as scatter batching dims: a sharded store is written shard by shard.
+        index = row_index(jnp.broadcast_to(rows[:, None, None], k.shape[:2] + (1,)), layer)
+        return self.replace(k=scatter_rows(self.k, index, k[:, :, None]),
+                            v=scatter_rows(self.v, index, v[:, :, None]))
+
+    def layer(self, layer, positions: int | None = None) -> "DeviceLayer":
+        return DeviceLayer(self, layer, self.capacity if positions is None else positions)
 
     def memory_kinds(self) -> "DeviceKV":
         return jax.tree.map(lambda _: "device", self)
@@ -101,14 +140,21 @@ class DeviceLayer(LayerView):
         return jax.lax.dynamic_index_in_dim(self.store.v, self.index, keepdims=False)
 
     @jax.named_scope("gather")
-    def read(self, idx, mask):
-        B, h, M = idx.shape
+    def read(self, selection: Selection):
+        B, h, n = selection.starts.shape
         K, H = self.store.k.shape[2], self.store.k.shape[4]
-        rows = row_index(per_kv_head(idx, K), self.index)
-        k, v = gather_rows(self.store.k, rows), gather_rows(self.store.v, rows)
-        return k.reshape(B, h, M, H), v.reshape(B, h, M, H), self
+        index = row_index(per_kv_head(selection.starts, K), self.index)
+        c = selection.chunk
+        k, v = (gather_rows(x, index, chunk=c).reshape(B, h, n * c, H) for x in (self.store.k, self.store.v))
+        return k, v, self
 
-    def window(self, idx):
-        B, W = idx.shape
-        rows = row_index(jnp.broadcast_to(idx[:, None, :], (B, self.store.k.shape[2], W)), self.index)
-        return gather_rows(self.store.k, rows), gather_rows(self.store.v, rows)
+    def window(self, rows):
+        B, W = rows.shape
+        index = row_index(jnp.broadcast_to(rows[:, None, :], (B, self.store.k.shape[2], W)), self.index)
+        return gather_rows(self.store.k, index), gather_rows(self.store.v, index)
+
+    def commit_window(self, rows, dest) -> "DeviceLayer":
+        k, v = self.window(rows)  # [B, K, W, H]
+        index = row_index(dest, self.index)
+        store = self.store.replace(k=scatter_rows(self.store.k, index, k), v=scatter_rows(self.store.v, index, v))
+        return DeviceLayer(store, self.index, self.positions)

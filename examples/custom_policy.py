@@ -18,8 +18,8 @@ tokens: reading their keys and values (from device or host memory) and attending
   q [B, N, H]: positions idx and a validity mask, [B, N, M] (one set per query head) or [B, K, M] (one per
   KV head, shared by its query heads). `keys` is None unless the policy sets `reads_all_keys`. The recall
   evaluation calls it too.
-- `selection_shape(config, batch_size, capacity)`: (B, h, M) of that selection, declared so that buffers
-  (host offload's recall cache) can be sized before anything runs.
+- `selection_shape(config, batch_size, capacity)`: (B, h, M, 1) of that selection (M chunks of 1 row),
+  declared so that buffers (host offload's recall cache) can be sized before anything runs.
 - Optional: `window_size` / `window_start` / `index_recent`, a window of recent tokens the policy has not
   indexed yet, attended in full (ClusterKV's not-yet-clustered tokens); `metadata_bytes` for the roofline.
 
@@ -63,8 +63,8 @@ class LowKeyNorm(ckv.KVPolicy):
         return jnp.zeros((batch_size, config.num_kv_heads, slots), jnp.int32)
 
     def selection_shape(self, config, batch_size, capacity):
-        return (batch_size, config.num_kv_heads, self.sinks + min(self.budget - self.sinks - self.recent, capacity)
-                + self.recent)
+        ranked = min(self.budget - self.sinks - self.recent, capacity)
+        return (batch_size, config.num_kv_heads, self.sinks + ranked + self.recent, 1)
 
     def after_prefill(self, state, keys, lengths):
         pos = jnp.arange(keys.shape[2])

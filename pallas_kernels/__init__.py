@@ -1,21 +1,21 @@
 """Pallas (Triton) GPU kernels for ClusterKV's two hot spots, each beside a pure-jnp reference.
 
 - `centroid_update`: per-cluster key sums and member counts (the K-means centroid accumulation).
-- `cluster_to_token_index`: budget slots → token positions from clusters in score order.
+- `cluster_to_block_index`: budget slots → store blocks (and rows read in each) from clusters in score order.
 
 `dispatch.use_kernels(mode)` says whether to call a kernel or its reference; `check_lowering` lowers every
 kernel for CUDA without a GPU; `bench` times kernels against references.
 """
 
 from pallas_kernels.centroid_update import centroid_update, centroid_update_reference
-from pallas_kernels.cluster_index import cluster_to_token_index, cluster_to_token_index_reference
+from pallas_kernels.cluster_index import cluster_to_block_index, cluster_to_block_index_reference
 from pallas_kernels.dispatch import kernels_supported, use_kernels
 
 __all__ = [
     "centroid_update",
     "centroid_update_reference",
-    "cluster_to_token_index",
-    "cluster_to_token_index_reference",
+    "cluster_to_block_index",
+    "cluster_to_block_index_reference",
     "kernels_supported",
     "use_kernels",
 ]

@@ -18,10 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.centroid_update import centroid_update, centroid_update_reference
-from pallas_kernels.cluster_index import cluster_to_token_index, cluster_to_token_index_reference
+from pallas_kernels.cluster_index import cluster_to_block_index, cluster_to_block_index_reference
 from pallas_kernels.dispatch import kernels_supported
 
-P, N, C, M = 8, 32768, 400, 1024  # KV heads (× batch 1), tokens, clusters, budget slots
+P, N, C, M = 8, 32768, 400, 1024  # KV heads (× batch 1), tokens, clusters, budget
+Mb = 80  # ClusterKV's block slots at B=1024 (16 sinks, blocks of 16, 80 tokens per cluster)
 
 
 def _median_ms(fn, *args, repeats: int) -> float:
@@ -42,14 +43,10 @@ def _centroid_inputs(rng: np.random.Generator, H: int, dtype):
 
 
 def _index_inputs(rng: np.random.Generator):
-    labels = rng.integers(0, C, (P, N))
-    sizes = np.stack([np.bincount(row, minlength=C) for row in labels]).astype(np.int32)
-    starts = (np.cumsum(sizes, axis=1) - sizes).astype(np.int32)
-    sorted_tokens = np.argsort(labels, axis=1, kind="stable").astype(np.int32)
-    order = np.argsort(-rng.standard_normal((P, C)), axis=1)  # a random score order
-    ranked_sizes = np.take_along_axis(sizes, order, axis=1)
-    ranked_starts = np.take_along_axis(starts, order, axis=1)
-    return jnp.asarray(ranked_sizes), jnp.asarray(ranked_starts), jnp.asarray(sorted_tokens)
+    """Ranked cluster sizes and first blocks [P, Mb] as ClusterKV's top_k hands them over."""
+    sizes = rng.integers(1, 200, (P, Mb)).astype(np.int32)
+    starts = rng.permutation(np.arange(P * Mb)).reshape(P, Mb).astype(np.int32)
+    return jnp.asarray(sizes), jnp.asarray(starts)
 
 
 def _row(name: str, shapes: str, ref_ms: float, kernel_ms: float | None, err: str = "") -> None:
@@ -86,16 +83,16 @@ def main(argv=None) -> None:
                 err = f"max|Δsum| {float(jnp.max(jnp.abs(s - rs))):.2e}, counts equal {bool(jnp.all(c == rc))}"
             _row(f"centroid_update C={C}", f"{jnp.dtype(dtype).name}[{P},{N},{H}]", ref_ms, kernel_ms, err)
 
-    sizes, starts, tokens = _index_inputs(rng)
-    ref = functools.partial(cluster_to_token_index_reference, slots=M)
-    ref_ms = _median_ms(ref, sizes, starts, tokens, repeats=args.repeats)
+    sizes, starts = _index_inputs(rng)
+    ref = functools.partial(cluster_to_block_index_reference, tokens=M - 16, slots=Mb, block_size=16)
+    ref_ms = _median_ms(ref, sizes, starts, repeats=args.repeats)
     kernel_ms, err = None, ""
     if on_gpu:
-        kern = functools.partial(cluster_to_token_index, slots=M)
-        kernel_ms = _median_ms(kern, sizes, starts, tokens, repeats=args.repeats)
-        (i, m), (ri, rm) = kern(sizes, starts, tokens), ref(sizes, starts, tokens)
-        err = f"idx equal {bool(jnp.all(i == ri))}, mask equal {bool(jnp.all(m == rm))}"
-    _row("cluster_to_token_index", f"P={P} C={C} S={N} M={M}", ref_ms, kernel_ms, err)
+        kern = functools.partial(cluster_to_block_index, tokens=M - 16, slots=Mb, block_size=16)
+        kernel_ms = _median_ms(kern, sizes, starts, repeats=args.repeats)
+        (b, r), (rb, rr) = kern(sizes, starts), ref(sizes, starts)
+        err = f"blocks equal {bool(jnp.all(b == rb))}, rows equal {bool(jnp.all(r == rr))}"
+    _row("cluster_to_block_index", f"P={P} Mb={Mb} B={M}", ref_ms, kernel_ms, err)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.triton import dialect as tt_dialect
 
 from pallas_kernels.centroid_update import centroid_update
-from pallas_kernels.cluster_index import cluster_to_token_index
+from pallas_kernels.cluster_index import cluster_to_block_index
 
 TRITON_TARGET = "__gpu$xla.gpu.triton"
 
@@ -147,13 +147,14 @@ def main(argv=None) -> int:
             fn = functools.partial(centroid_update, num_clusters=C)
             kernels = _check(name, fn, S((1, P, N, H), dtype), S((1, P, N), i32))  # [B, K, N, H]
             results.append((f"centroid_update {jnp.dtype(dtype).name} H={H}", kernels))
-    # Per KV head (gqa "shared": sizes [B, K, C]), and per query head (gqa "per_head": sizes [B, K, G, C], 4 query
-    # heads per KV head sharing its token list [B, K, S]).
+    # Per KV head (gqa "shared": ranked clusters [B, K, Mb]) and per query head (gqa "per_head": [B, K, G, Mb], 4 query
+    # heads per KV head). B=1024 with 16 sinks, blocks of 16, 80 tokens per cluster: Mb = 63 + 13 + 4 = 80 slots.
+    Mb = 80
     for group in (1, 4):
-        name = f"cluster_to_token_index M={M} group={group}"
-        fn = functools.partial(cluster_to_token_index, slots=M)
-        ranked = (1, P, group, C) if group > 1 else (1, P, C)
-        kernels = _check(name, fn, S(ranked, i32), S(ranked, i32), S((1, P, N), i32))
+        name = f"cluster_to_block_index Mb={Mb} group={group}"
+        fn = functools.partial(cluster_to_block_index, tokens=M - 16, slots=Mb, block_size=16)
+        ranked = (1, P, group, Mb) if group > 1 else (1, P, Mb)
+        kernels = _check(name, fn, S(ranked, i32), S(ranked, i32))
         results.append((name, kernels))
     ok = all(k is not None for _, k in results)
     print("all kernels lowered for cuda" if ok else "LOWERING FAILED")

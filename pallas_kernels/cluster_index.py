@@ -1,27 +1,26 @@
-"""Budgeted-slot → token index for ClusterKV's cluster ranking, as a Pallas Triton kernel.
+"""Budgeted block slots → store blocks for ClusterKV's cluster ranking, as a Pallas Triton kernel.
 
-Given clusters already in descending score order (the argsort stays in XLA), with sizes s_r, start
-offsets st_r into the label-sorted token list, and inclusive prefix sums cum_r = s_0 + … + s_r, budget slot
-j (0 ≤ j < M) belongs to the ranked cluster r with cum_r − s_r ≤ j < cum_r (= the number of prefix sums
-≤ j: `searchsorted(cum, j, side="right")`), and takes
+ClusterKV's store keeps each cluster's members in consecutive rows, in whole blocks of `block` rows starting at
+block `start_r`. Given clusters already in descending score order (the top_k stays in XLA) with sizes s_r, the
+rule takes clusters in that order while both budgets hold, `tokens` tokens and `slots` blocks, and trims the one
+that crosses either:
 
-    idx[j]  = sorted_tokens[st_r + (j − (cum_r − s_r))]      mask[j] = j < cum_{C−1} (the total)
+    take_r = clip(min(tokens − Σ_{r'<r} s_r',  block · (slots − Σ_{r'<r} ⌈s_r' / block⌉)),  0,  s_r)
 
-so the top clusters are taken whole and the last one trimmed; masked slots hold 0.
+(a trimmed cluster keeps its first members). Cluster r then uses u_r = ⌈take_r / block⌉ blocks; slot j
+(0 ≤ j < slots) belongs to the cluster r with U_r − u_r ≤ j < U_r (U the prefix sums of u) and reads
 
-The kernel needs neither a search nor a gather of cluster metadata: it walks the clusters in chunks of
-BC, keeps the running prefix sum (in-kernel `cumsum`, a Triton scan), and for each slot adds
-st_c + j − excl_c over the one cluster c whose [excl_c, cum_c) contains j (zero-size clusters contain
-nothing). It stops as soon as the prefix sum covers every slot of its block, so with a budget of ~1000
-tokens and ~80 tokens per cluster it reads only the first chunk. The one gather is the final token load.
+    block[j] = start_r + (j − (U_r − u_r))        rows[j] = clip(take_r − block · (j − (U_r − u_r)), 0, block)
 
-The kernel solves one problem (grid: M-blocks); `cluster_to_token_index` maps it over the leading dims with
-`jax.vmap`, which Pallas turns into more grid dims of the same launch. A token list may serve several
-problems (the G query heads of a KV head rank clusters apart but share its token list): leading dims of
-the sizes beyond those of the token list are mapped with the token list unbatched, so it is never copied.
+so whole blocks of whole clusters come first and only the last cluster's last block is partly read; unused
+slots hold block 0 with 0 rows.
 
-Sizes must be >= 0 (the ranking gives unused cluster slots size 0). Token offsets are clamped to
-[0, S) so that inconsistent metadata cannot read out of bounds.
+The kernel solves one problem: it walks the clusters in chunks of BC, keeps the running prefix sums (in-kernel
+`cumsum`, a Triton scan) and, for each slot, adds the block and rows of the one cluster whose [U − u, U)
+contains it. It stops once the prefix of used blocks passes every slot. `cluster_to_block_index` maps it over
+the leading dims with `jax.vmap`, which Pallas turns into more grid dims of one launch.
+
+Sizes must be >= 0 (ClusterKV gives unused cluster slots size 0).
 """
 
 from __future__ import annotations
@@ -34,140 +33,130 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.dispatch import map_leading
+
 
 def _next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
-def _cluster_index_kernel(
+def _cluster_block_kernel(
     sizes_ref,  # [num_clusters] int32, ranked (best first)
-    starts_ref,  # [num_clusters] int32, ranked
-    tokens_ref,  # [num_tokens] int32 token positions grouped by cluster
-    idx_ref,  # [slots] int32
-    mask_ref,  # [slots] bool
+    starts_ref,  # [num_clusters] int32 first block of each cluster, same order
+    blocks_ref,  # [slots] int32
+    rows_ref,  # [slots] int32
     *,
     num_clusters: int,
-    num_tokens: int,
+    tokens: int,
     slots: int,
+    block: int,
     block_m: int,
     block_c: int,
 ):
-    j0 = pl.program_id(0) * block_m
-    j = j0 + jnp.arange(block_m, dtype=jnp.int32)  # [block_m] slot ids
+    j = jnp.arange(block_m, dtype=jnp.int32)  # [block_m] slot ids (block_m >= slots)
     num_chunks = pl.cdiv(num_clusters, block_c)
-    last_slot = j0 + block_m - 1
 
     def cond(carry):
-        k, base, _ = carry
-        # Stop once the prefix sum passed every slot of this block.
-        return (k < num_chunks) & (base <= last_slot)
+        k, _, _, used_base, _, _ = carry
+        return (k < num_chunks) & (used_base < slots)
 
     def body(carry):
-        k, base, pos = carry  # [], [], [block_m]
+        k, tok_base, blk_base, used_base, out_block, out_rows = carry
         c0 = k * block_c
         c_ok = c0 + jnp.arange(block_c, dtype=jnp.int32) < num_clusters  # [block_c]
         size = plgpu.load(sizes_ref.at[pl.ds(c0, block_c)], mask=c_ok, other=0)  # [block_c]
         start = plgpu.load(starts_ref.at[pl.ds(c0, block_c)], mask=c_ok, other=0)  # [block_c]
-        incl = base + jnp.cumsum(size)  # [block_c] inclusive prefix sums
-        excl = incl - size
-        hit = (excl[None, :] <= j[:, None]) & (j[:, None] < incl[None, :])  # [block_m, block_c]
-        offset = start[None, :] + (j[:, None] - excl[None, :])
-        pos += jnp.sum(jnp.where(hit, offset, 0), axis=1)
-        return k + 1, base + jnp.sum(size), pos
+        nb = (size + block - 1) // block
+        tok_excl = tok_base + jnp.cumsum(size) - size
+        blk_excl = blk_base + jnp.cumsum(nb) - nb
+        take = jnp.clip(jnp.minimum(tokens - tok_excl, block * (slots - blk_excl)), 0, size)
+        used = (take + block - 1) // block
+        used_incl = used_base + jnp.cumsum(used)
+        used_excl = used_incl - used
+        hit = (used_excl[None, :] <= j[:, None]) & (j[:, None] < used_incl[None, :])  # [block_m, block_c]
+        within = j[:, None] - used_excl[None, :]
+        out_block += jnp.sum(jnp.where(hit, start[None, :] + within, 0), axis=1)
+        out_rows += jnp.sum(jnp.where(hit, jnp.clip(take[None, :] - block * within, 0, block), 0), axis=1)
+        return k + 1, tok_base + jnp.sum(size), blk_base + jnp.sum(nb), used_base + jnp.sum(used), out_block, out_rows
 
-    _, total, pos = lax.while_loop(
-        cond, body, (jnp.int32(0), jnp.int32(0), jnp.zeros((block_m,), jnp.int32))
-    )
-    # `total` is exact whenever it matters: the loop stops early only once total > every slot here.
-    valid = j < total  # [block_m]
-    pos = jnp.clip(pos, 0, num_tokens - 1)
-    token = plgpu.load(tokens_ref.at[pos], mask=valid, other=0)  # [block_m] gather
+    zeros = jnp.zeros((block_m,), jnp.int32)
+    _, _, _, _, out_block, out_rows = lax.while_loop(
+        cond, body, (jnp.int32(0), jnp.int32(0), jnp.int32(0), jnp.int32(0), zeros, zeros))
     in_range = j < slots
-    plgpu.store(idx_ref.at[pl.ds(j0, block_m)], jnp.where(valid, token, 0), mask=in_range)
-    plgpu.store(mask_ref.at[pl.ds(j0, block_m)], valid, mask=in_range)
+    plgpu.store(blocks_ref.at[pl.ds(0, block_m)], out_block, mask=in_range)
+    plgpu.store(rows_ref.at[pl.ds(0, block_m)], out_rows, mask=in_range)
 
 
-def map_problems(one, ranked_sizes, ranked_starts, sorted_tokens):
-    """one(sizes [C], starts [C], tokens [S]) over every problem: sizes / starts [*lead, C] and tokens
-    [*lead_t, S] with lead_t a prefix of lead. The dims of lead_t map all three; the rest of lead map the sizes
-    and starts with the token list unbatched (shared, not copied)."""
-    shared = sorted_tokens.ndim - 1
-    extra = ranked_sizes.ndim - 1 - shared
-    assert ranked_sizes.shape == ranked_starts.shape, (ranked_sizes.shape, ranked_starts.shape)
-    assert extra >= 0 and ranked_sizes.shape[:shared] == sorted_tokens.shape[:-1], (
-        f"sorted_tokens {sorted_tokens.shape} must lead like ranked_sizes {ranked_sizes.shape}")
-    fn = one
-    for _ in range(extra):
-        fn = jax.vmap(fn, in_axes=(0, 0, None))
-    for _ in range(shared):
-        fn = jax.vmap(fn)
-    return fn(ranked_sizes.astype(jnp.int32), ranked_starts.astype(jnp.int32), sorted_tokens.astype(jnp.int32))
-
-
-@functools.partial(jax.jit, static_argnames=("slots", "block_m", "block_c", "num_warps", "num_stages", "interpret"))
-def cluster_to_token_index(
+@functools.partial(jax.jit, static_argnames=("tokens", "slots", "block_size", "block_c", "num_warps", "interpret"))
+def cluster_to_block_index(
     ranked_sizes: jax.Array,  # [..., C] int32, clusters in descending score order
-    ranked_starts: jax.Array,  # [..., C] int32 offsets into sorted_tokens, same order
-    sorted_tokens: jax.Array,  # [..., S] int32 token positions grouped by cluster (leading dims: a prefix)
+    ranked_starts: jax.Array,  # [..., C] int32 first block of each cluster, same order
+    tokens: int,
     slots: int,
+    block_size: int,
     *,
-    block_m: int = 128,
     block_c: int = 64,
     num_warps: int = 4,
-    num_stages: int = 2,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """Token positions idx [..., M] int32 and mask [..., M] bool of the M = `slots` budget slots, one launch.
+    """Blocks [..., slots] int32 and rows read in each [..., slots] int32 (see the module docstring), one launch.
 
-    Equal to `cluster_to_token_index_reference`. See `map_problems` for how the token list is shared.
+    Equal to `cluster_to_block_index_reference`.
     """
-    C, S, M = ranked_sizes.shape[-1], sorted_tokens.shape[-1], int(slots)
-    assert M >= 1 and C >= 1 and S >= 1, f"need slots, C and S >= 1, got {M=}, {C=}, {S=}"
-    for name, b in (("block_m", block_m), ("block_c", block_c)):
-        assert b >= 1 and b & (b - 1) == 0, f"{name}={b} must be a power of two"
-    block_m = min(block_m, _next_pow2(M))
+    assert ranked_sizes.shape == ranked_starts.shape, (ranked_sizes.shape, ranked_starts.shape)
+    C, M = ranked_sizes.shape[-1], int(slots)
+    assert M >= 1 and C >= 1 and tokens >= 0 and block_size >= 1, f"{M=}, {C=}, {tokens=}, {block_size=}"
+    assert block_c >= 1 and block_c & (block_c - 1) == 0, f"block_c={block_c} must be a power of two"
     block_c = min(block_c, _next_pow2(C))
-    kernel = functools.partial(_cluster_index_kernel, num_clusters=C, num_tokens=S, slots=M, block_m=block_m,
-                               block_c=block_c)
+    kernel = functools.partial(_cluster_block_kernel, num_clusters=C, tokens=int(tokens), slots=M,
+                               block=int(block_size), block_m=_next_pow2(M), block_c=block_c)
     one = pl.pallas_call(
         kernel,
-        grid=(pl.cdiv(M, block_m),),
+        grid=(1,),
         in_specs=[
-            pl.BlockSpec((C,), lambda m: (0,)),  # ranked_sizes
-            pl.BlockSpec((C,), lambda m: (0,)),  # ranked_starts
-            pl.BlockSpec((S,), lambda m: (0,)),  # sorted_tokens
+            pl.BlockSpec((C,), lambda i: (0,)),  # ranked_sizes
+            pl.BlockSpec((C,), lambda i: (0,)),  # ranked_starts
         ],
         out_specs=[
-            pl.BlockSpec((M,), lambda m: (0,)),  # idx
-            pl.BlockSpec((M,), lambda m: (0,)),  # mask
+            pl.BlockSpec((M,), lambda i: (0,)),  # blocks
+            pl.BlockSpec((M,), lambda i: (0,)),  # rows
         ],
-        out_shape=[jax.ShapeDtypeStruct((M,), jnp.int32), jax.ShapeDtypeStruct((M,), jnp.bool_)],
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        out_shape=[jax.ShapeDtypeStruct((M,), jnp.int32), jax.ShapeDtypeStruct((M,), jnp.int32)],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
-        name="cluster_to_token_index",
+        name="cluster_to_block_index",
     )
-    return map_problems(one, ranked_sizes, ranked_starts, sorted_tokens)
+    return map_leading(one, ranked_sizes.ndim - 1)(ranked_sizes.astype(jnp.int32), ranked_starts.astype(jnp.int32))
 
 
-def _reference_one(ranked_sizes, ranked_starts, sorted_tokens, slots: int):
-    """One problem: sizes, starts [C], tokens [S] -> idx, mask [slots]."""
-    C, S = ranked_sizes.shape[-1], sorted_tokens.shape[-1]
-    cum = jnp.cumsum(ranked_sizes)  # [C] inclusive prefix sums
+def _reference_one(ranked_sizes, ranked_starts, tokens: int, slots: int, block: int):
+    """One problem: sizes, starts [C] -> blocks, rows [slots]."""
+    C = ranked_sizes.shape[-1]
+    size = ranked_sizes
+    nb = -(-size // block)
+    tok_before = jnp.cumsum(size) - size
+    blk_before = jnp.cumsum(nb) - nb
+    take = jnp.clip(jnp.minimum(tokens - tok_before, block * (slots - blk_before)), 0, size)
+    used = -(-take // block)
+    cum = jnp.cumsum(used)  # [C] inclusive prefix sums of used blocks
     j = jnp.arange(slots, dtype=jnp.int32)
     # Slot j belongs to the first ranked cluster whose prefix sum exceeds j.
     r = jnp.minimum(jnp.searchsorted(cum, j, side="right"), C - 1)
-    offset = ranked_starts[r] + (j - (cum[r] - ranked_sizes[r]))
-    idx = sorted_tokens[jnp.clip(offset, 0, S - 1)]
-    mask = j < cum[-1]
-    return jnp.where(mask, idx, 0).astype(jnp.int32), mask
+    within = j - (cum[r] - used[r])
+    valid = j < cum[-1]
+    blocks = jnp.where(valid, ranked_starts[r] + within, 0)
+    rows = jnp.where(valid, jnp.clip(take[r] - block * within, 0, block), 0)
+    return blocks.astype(jnp.int32), rows.astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("slots",))
-def cluster_to_token_index_reference(
+@functools.partial(jax.jit, static_argnames=("tokens", "slots", "block_size"))
+def cluster_to_block_index_reference(
     ranked_sizes: jax.Array,  # [..., C] int32
     ranked_starts: jax.Array,  # [..., C] int32
-    sorted_tokens: jax.Array,  # [..., S] int32 (leading dims: a prefix of the sizes')
+    tokens: int,
     slots: int,
+    block_size: int,
 ) -> tuple[jax.Array, jax.Array]:
-    """Pure jnp: the same problems, the same mapping as `cluster_to_token_index`."""
-    return map_problems(functools.partial(_reference_one, slots=slots), ranked_sizes, ranked_starts, sorted_tokens)
+    """Pure jnp: the same problems, the same mapping as `cluster_to_block_index`."""
+    one = functools.partial(_reference_one, tokens=tokens, slots=slots, block=block_size)
+    return map_leading(one, ranked_sizes.ndim - 1)(ranked_sizes.astype(jnp.int32), ranked_starts.astype(jnp.int32))

@@ -112,12 +112,12 @@ def main(out_path: str) -> None:
         "cache.host_v": (host.v, named(None, "data", "model", None, None, kind="pinned_host")),
         "clusterkv.centroids": (ps.centroids, named(None, "data", "model", None, None)),
         "clusterkv.sizes": (ps.sizes, named(None, "data", "model", None)),
-        "clusterkv.starts": (ps.starts, named(None, "data", "model", None)),
-        "clusterkv.sorted_tokens": (ps.sorted_tokens, named(None, "data", "model", None)),
+        "clusterkv.block_start": (ps.block_start, named(None, "data", "model", None)),
+        "clusterkv.row_positions": (ps.row_positions, named(None, "data", "model", None)),
         "clusterkv.clustered_upto": (ps.clustered_upto, named(None, "data")),
         "offload.ring_k": (host.ring_k, named(None, "data", "model", None, None)),
-        "offload.cache_ids": (host.recall.ids, named(None, "data", "model", None, None)),  # [n, B, N, R, M]
-        "offload.cache_k": (host.recall.k, named(None, "data", "model", None, None, None)),
+        "offload.cache_ids": (host.recall.ids, named(None, "data", "model", None, None)),  # [n, B, h, R, c]
+        "offload.cache_k": (host.recall.k, named(None, "data", "model", None, None, None, None)),
         "offload.step": (host.recall.step, named()),
         "fullkv.k": (caches["full"].groups[0].store.k, kv),
     }

@@ -130,7 +130,7 @@ def test_quest_page_scores_and_top_pages_match_numpy():
     for layer in range(QUEST.full_layers, CONFIG.num_layers):
         state, q, keys, lengths, prompt_lengths = layer_inputs(QUEST, layer, seed=layer)
         scores = np.asarray(QUEST.page_scores(state, q))  # [B, N, P]
-        chosen = selected_sets(*QUEST.select(state, q, keys, lengths, prompt_lengths))
+        chosen = selected_sets(*QUEST.selected_positions(state, q, keys, lengths, prompt_lengths))
         keys_np, q_np = np.asarray(keys), np.asarray(q)
         for b in range(3):
             pages, _ = np_quest_pages(int(prompt_lengths[b]), int(lengths[b]), ps)
@@ -158,8 +158,8 @@ def test_quest_sinks_select_the_first_pages_then_the_top_scoring_ones():
     kmin = state.kmin.at[:, :, :n_sink].set(0.0)
     state = state.replace(kmin=kmin, kmax=state.kmax.at[:, :, :n_sink].set(0.0))
     scores = np.asarray(quest.page_scores(state, q))  # [B, N, P]
-    chosen = selected_sets(*quest.select(state, q, keys, lengths, prompt_lengths))
-    plain = selected_sets(*QUEST.select(state, q, keys, lengths, prompt_lengths))
+    chosen = selected_sets(*quest.selected_positions(state, q, keys, lengths, prompt_lengths))
+    plain = selected_sets(*QUEST.selected_positions(state, q, keys, lengths, prompt_lengths))
     for b in range(3):
         pages, _ = np_quest_pages(int(prompt_lengths[b]), int(lengths[b]), ps)
         for n in range(CONFIG.num_heads):
@@ -172,7 +172,7 @@ def test_quest_sinks_select_the_first_pages_then_the_top_scoring_ones():
 
 def test_streaming_selection_is_sinks_plus_recent():
     state, q, keys, lengths, prompt_lengths = layer_inputs(STREAMING, CONFIG.num_layers - 1)
-    chosen = selected_sets(*STREAMING.select(state, q, keys, lengths, prompt_lengths))
+    chosen = selected_sets(*STREAMING.selected_positions(state, q, keys, lengths, prompt_lengths))
     recent = STREAMING.budget - STREAMING.sinks
     for b, L in enumerate(np.asarray(lengths).tolist()):
         want = set(range(min(STREAMING.sinks, L))) | set(range(max(L - recent, 0), L))
@@ -183,7 +183,7 @@ def test_streaming_selection_is_sinks_plus_recent():
 def test_oracle_selection_is_numpy_top_k_of_prompt_scores():
     for layer in range(ORACLE.full_layers, CONFIG.num_layers):
         state, q, keys, lengths, prompt_lengths = layer_inputs(ORACLE, layer, seed=10 + layer)
-        chosen = selected_sets(*ORACLE.select(state, q, keys, lengths, prompt_lengths))
+        chosen = selected_sets(*ORACLE.selected_positions(state, q, keys, lengths, prompt_lengths))
         keys_np, q_np = np.asarray(keys), np.asarray(q)
         for b, Lp in enumerate(np.asarray(prompt_lengths).tolist()):
             for n in range(CONFIG.num_heads):
@@ -196,7 +196,7 @@ def test_selection_invariants(policy):
     """Distinct, inside the counted region, and exactly min(budget, available) (Quest: whole pages)."""
     layer = CONFIG.num_layers - 1
     state, q, keys, lengths, prompt_lengths = layer_inputs(policy, layer)
-    idx, mask = policy.select(state, q, keys, lengths, prompt_lengths)
+    idx, mask = policy.selected_positions(state, q, keys, lengths, prompt_lengths)
     assert idx.shape == mask.shape and idx.shape[:2] == (3, CONFIG.num_heads)
     chosen = selected_sets(idx, mask)
     for b in range(3):

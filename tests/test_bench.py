@@ -79,7 +79,9 @@ def test_synthetic_cache_equals_the_state_a_prefill_leaves(offload):
     tokens = jnp.asarray(np.random.default_rng(2).integers(0, 128, (1, 160)), jnp.int32)
     lengths = jnp.array([150], jnp.int32)
     _, real = forward_prefill(PARAMS, CFG, policy, tokens, lengths, init_cache(CFG, policy, 1, 256, jnp.float32))
-    keys, values = (jnp.stack(kv) for kv in zip(*(real.layer_kv(layer) for layer in range(CFG.num_layers))))
+    # The prompt's K/V by position (what any prefill computes: prefill attention is exact), from full KV's store.
+    _, full = forward_prefill(PARAMS, CFG, FullKV(), tokens, lengths, init_cache(CFG, FullKV(), 1, 256, jnp.float32))
+    keys, values = (jnp.stack(kv) for kv in zip(*(full.layer_kv(layer) for layer in range(CFG.num_layers))))
     built = write_prompt(init_cache(CFG, policy, 1, 256, jnp.float32), keys, values, lengths, policy=policy)
     for a, b in zip(jax.tree_util.tree_leaves(real), jax.tree_util.tree_leaves(built)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -96,8 +98,11 @@ def test_step_bytes_match_a_numpy_count():
                     "total": weights + L * B * K * ctx * row}
     # Streaming every layer from the host reads the same KV: per KV head, not per query head.
     assert step_bytes(CFG, PARAMS, FullKV(offload=True), ctx, B, 0, 4) == full
-    ckv = step_bytes(CFG, PARAMS, ClusterKV(budget=64, full_layers=1, **SMALL), ctx, B, 10, 4)
-    kv = 1 * B * K * ctx * row + 3 * B * (N * 64 + K * 10) * row
+    policy = ClusterKV(budget=64, full_layers=1, **SMALL)
+    ckv = step_bytes(CFG, PARAMS, policy, ctx, B, 10, 4)
+    # A selection head reads whole blocks: the sink block and the block slots, 16 rows each.
+    blocks = -(-policy.sinks // 16) + policy.block_slots()
+    kv = 1 * B * K * ctx * row + 3 * B * (N * min(blocks * 16, ctx) + K * 10) * row
     assert ckv["kv"] == kv
     assert ckv["metadata"] == 3 * B * K * ((ctx - 4) // 8) * H * 4
 

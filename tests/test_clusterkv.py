@@ -62,10 +62,11 @@ def _layer_state(cache, layer):
     return jax.tree.map(lambda x: x[i], group.state)
 
 
-def _members(state, b, h):
-    """Cluster id -> set of positions, read from (sizes, starts, sorted_tokens) of sequence b, KV head h."""
-    sizes, starts, toks = (np.asarray(x[b, h]) for x in (state.sizes, state.starts, state.sorted_tokens))
-    return {c: set(toks[starts[c] : starts[c] + sizes[c]].tolist()) for c in np.flatnonzero(sizes)}
+def _members(state, b, h, block_size=16):
+    """Cluster id -> set of positions, read from the store layout of sequence b, KV head h: a cluster's members
+    are the positions held by its first `size` rows from its first block."""
+    sizes, first, pos = (np.asarray(x[b, h]) for x in (state.sizes, state.block_start, state.row_positions))
+    return {c: set(pos[first[c] * block_size: first[c] * block_size + sizes[c]].tolist()) for c in np.flatnonzero(sizes)}
 
 
 def test_clusters_partition_the_prompt_past_the_sinks():
@@ -90,7 +91,7 @@ def test_selection_is_ranked_clusters_with_the_last_trimmed():
     state = _layer_state(cache, 3)
     q = jax.random.normal(jax.random.PRNGKey(1), (3, CFG.num_heads, CFG.head_dim))
     lengths = jnp.asarray(LENGTHS)
-    idx, mask = policy.select(state, q, None, lengths, lengths)
+    idx, mask = policy.selected_positions(state, q, None, lengths, lengths)
     idx, mask = np.asarray(idx), np.asarray(mask)
     G = CFG.num_heads // CFG.num_kv_heads
     for b, L in enumerate(LENGTHS):
@@ -115,14 +116,24 @@ def test_selection_is_ranked_clusters_with_the_last_trimmed():
                     left = 0
 
 
+def _keys_by_position(cache, layer, state):
+    """[B, K, S, H] the keys of a layer by position (ClusterKV's store keeps them in its own row order)."""
+    rows, where = np.asarray(cache.layer_kv(layer)[0]), np.asarray(state.row_positions)  # [B, K, R, H], [B, K, R]
+    keys = np.zeros(rows.shape[:2] + (cache.capacity, rows.shape[-1]), rows.dtype)
+    for b, k, r in zip(*np.nonzero(where >= 0)):
+        keys[b, k, where[b, k, r]] = rows[b, k, r]
+    return keys
+
+
 def test_one_token_per_cluster_selects_the_exact_top_b():
     policy = ClusterKV(budget=20, sinks=0, tokens_per_cluster=1, decode_interval=16, decode_clusters=2)
     _, cache = run(policy, TOKENS, LENGTHS, steps=0)
     lengths = jnp.asarray(LENGTHS)
     q = jax.random.normal(jax.random.PRNGKey(2), (3, CFG.num_heads, CFG.head_dim))
     for layer in (2, 3):
-        idx, mask = policy.select(_layer_state(cache, layer), q, None, lengths, lengths)
-        keys = np.asarray(cache.layer_kv(layer)[0])
+        state = _layer_state(cache, layer)
+        idx, mask = policy.selected_positions(state, q, None, lengths, lengths)
+        keys = _keys_by_position(cache, layer, state)
         for b, L in enumerate(LENGTHS):
             for n in range(CFG.num_heads):
                 scores = keys[b, n // 2, :L] @ np.asarray(q[b, n])
@@ -134,9 +145,9 @@ def test_decode_clusters_hold_only_generated_tokens():
     policy = ClusterKV(budget=64, **SMALL)
     _, cache = run(policy, TOKENS, LENGTHS, steps=33)  # fires at 16 and 32 generated tokens
     state = _layer_state(cache, 2)
-    C0 = policy.prompt_cluster_slots(448)
     for b, L in enumerate(LENGTHS):
         assert int(state.clustered_upto[b]) == L + 32
+        C0 = int(state.num_prompt_clusters[b])  # decode-time clusters follow the sequence's prompt clusters
         for h in range(CFG.num_kv_heads):
             members = _members(state, b, h)
             for group in range(2):
@@ -176,36 +187,46 @@ def test_invalid_settings_raise(kwargs):
 
 @settings(max_examples=60, deadline=None)
 @given(
-    sizes=st.lists(st.integers(0, 9), min_size=1, max_size=12),
-    slots=st.integers(1, 40),
+    sizes=st.lists(st.integers(0, 40), min_size=1, max_size=12),
+    tokens=st.integers(0, 120),
+    slots=st.integers(1, 12),
+    block=st.sampled_from([1, 4, 16]),
     seed=st.integers(0, 2**16),
 )
-def test_rank_and_index_matches_brute_force(sizes, slots, seed):
+def test_rank_and_index_matches_brute_force(sizes, tokens, slots, block, seed):
+    """Clusters by descending score (ties to the lower index), taken while `tokens` tokens and `slots` blocks
+    hold, the last one trimmed: the blocks and rows a NumPy walk of the clusters gives."""
     rng = np.random.default_rng(seed)
     sizes = np.array(sizes, np.int32)
-    starts = np.cumsum(sizes) - sizes
-    total = int(sizes.sum())
-    sorted_tokens = rng.permutation(1000)[: max(total, 1)].astype(np.int32)
+    first = rng.permutation(1000)[: len(sizes)].astype(np.int32) * 10  # disjoint block ranges
     scores = rng.normal(size=len(sizes)).astype(np.float32)
-    idx, mask = rank_and_index(jnp.asarray(scores), jnp.asarray(sizes), jnp.asarray(starts),
-                               jnp.asarray(sorted_tokens), slots)
-    expected = []
+    scores[rng.random(len(sizes)) < 0.2] = 0.5  # some ties
+    blocks, rows = rank_and_index(jnp.asarray(scores), jnp.asarray(sizes), jnp.asarray(first), tokens, slots, block)
+    want_blocks, want_rows, taken = [], [], 0
     for c in np.argsort(-scores, kind="stable"):
-        expected += sorted_tokens[starts[c] : starts[c] + sizes[c]].tolist()
-    expected = expected[:slots]
-    assert np.asarray(idx)[np.asarray(mask)].tolist() == expected
-    assert int(np.asarray(mask).sum()) == min(slots, total)
+        if sizes[c] == 0:
+            continue
+        take = min(sizes[c], tokens - taken, block * (slots - len(want_blocks)))
+        if take <= 0:
+            break
+        taken += take
+        for u in range(-(-take // block)):
+            want_blocks.append(first[c] + u)
+            want_rows.append(min(block, take - block * u))
+    pad = slots - len(want_blocks)
+    assert np.asarray(blocks).tolist() == want_blocks + [0] * pad
+    assert np.asarray(rows).tolist() == want_rows + [0] * pad
 
 
 def test_pallas_kernels_in_interpret_mode_match_the_reference_path():
-    """K-means (centroid_update) and selection (cluster_to_token_index) through the Pallas kernels, run in
-    interpret mode on this CPU, give the same clusters and logits as the pure-jnp path."""
+    """K-means (centroid_update) and selection (cluster_to_block_index) through the Pallas kernels, run in
+    interpret mode on this CPU, give the same clusters, layout and logits as the pure-jnp path."""
     tokens, lengths = TOKENS[:2], LENGTHS[:2]
     ref, ref_cache = run(ClusterKV(budget=40, kernels="reference", **SMALL), tokens, lengths, steps=18)
     pal, pal_cache = run(ClusterKV(budget=40, kernels="interpret", **SMALL), tokens, lengths, steps=18)
-    np.testing.assert_array_equal(np.asarray(pal_cache.policy_state.sizes), np.asarray(ref_cache.policy_state.sizes))
-    np.testing.assert_array_equal(np.asarray(pal_cache.policy_state.sorted_tokens),
-                                  np.asarray(ref_cache.policy_state.sorted_tokens))
+    for field in ("sizes", "block_start", "row_positions"):
+        np.testing.assert_array_equal(np.asarray(getattr(pal_cache.policy_state, field)),
+                                      np.asarray(getattr(ref_cache.policy_state, field)))
     np.testing.assert_allclose(np.asarray(pal_cache.policy_state.centroids),
                                np.asarray(ref_cache.policy_state.centroids), atol=1e-5)
     np.testing.assert_allclose(pal, ref, atol=1e-5)
@@ -228,7 +249,7 @@ def test_selection_and_window_attention_matches_numpy(per_query_head):
     """One softmax over each head's selected rows and its KV head's window, read from a store, against a NumPy
     loop per head."""
     from clusterkv_jax.attention import selection_and_window_attention
-    from clusterkv_jax.store import DeviceKV
+    from clusterkv_jax.store import DeviceKV, Selection
 
     rng = np.random.default_rng(3)
     B, N, K, S, H, M, W = 2, 6, 2, 40, 8, 7, 5
@@ -242,7 +263,7 @@ def test_selection_and_window_attention_matches_numpy(per_query_head):
     w_mask = rng.random((B, W)) < 0.6
     w_mask[:, 0] = True  # every head attends at least one row
     view = DeviceKV(k=jnp.asarray(keys)[None], v=jnp.asarray(values)[None]).layer(jnp.int32(0))
-    k_sel, v_sel, _ = view.read(jnp.asarray(idx), jnp.asarray(mask))
+    k_sel, v_sel, _ = view.read(Selection.of_rows(jnp.asarray(idx), jnp.asarray(mask)))
     k_win, v_win = view.window(jnp.asarray(w_idx))
     got = np.asarray(selection_and_window_attention(q, k_sel, v_sel, mask, k_win, v_win, w_mask))
     want = np.zeros((B, N, H), np.float32)

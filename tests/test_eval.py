@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from clusterkv_jax import ClusterKV, FullKV, init_cache, load_model, prefill
+from clusterkv_jax import FullKV, init_cache, prefill
 from clusterkv_jax.config import ModelConfig
 from clusterkv_jax.eval.agreement import run_agreement
 from clusterkv_jax.eval.ppl import run_ppl, window_nll, window_offsets

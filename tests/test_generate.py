@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from clusterkv_jax import FullKV, generate, load_model, sample_tokens
+from clusterkv_jax import generate, load_model, sample_tokens
 from clusterkv_jax.generate import Sampling, generate_ids
 from tests.helpers import long_text_ids
 

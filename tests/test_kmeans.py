@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 
 import jax
 import jax.numpy as jnp

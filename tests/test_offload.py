@@ -12,6 +12,7 @@ import pytest
 from clusterkv_jax import offload
 from clusterkv_jax.cache import init_cache, kv_bytes
 from clusterkv_jax.offload import HostKV
+from clusterkv_jax.store import Selection
 from clusterkv_jax.config import ModelConfig
 from clusterkv_jax.generate import decode_step, generate, prefill
 from clusterkv_jax.loading import Model
@@ -104,13 +105,13 @@ def numpy_cache_simulation(selections, R):
 def test_recall_cache_matches_numpy_simulation_and_returns_host_rows(R):
     rng = np.random.default_rng(R)
     B, K, h, S, M, H = 2, 2, 4, 64, 12, 16
-    store = HostKV.create(1, B, K, S, H, jnp.float32, window=16, selection_shape=(B, h, M), cache_steps=R)
+    store = HostKV.create(1, B, K, S, H, jnp.float32, window=16, selection_shape=(B, h, M, 1), cache_steps=R)
     store = store.replace(k=offload.to_host(jnp.asarray(rng.normal(size=(1, B, K, S, H)), jnp.float32)),
                           v=offload.to_host(jnp.asarray(rng.normal(size=(1, B, K, S, H)), jnp.float32)))
 
     @jax.jit
     def step(store, idx, mask):
-        k, v, view = store.layer(jnp.int32(0)).read(idx, mask)
+        k, v, view = store.layer(jnp.int32(0)).read(Selection.of_rows(idx, mask))
         return k, v, view.store
 
     selections = []
@@ -144,7 +145,11 @@ def test_device_kv_bytes_do_not_grow_with_context():
         return sum(x.nbytes for x in (host.ring_k, host.ring_v, host.recall.k, host.recall.v))
 
     assert compressed_device_bytes(small) == compressed_device_bytes(large)
-    assert kv_bytes(large)["host"] == 4 * kv_bytes(small)["host"]
+    # The host holds every row of the selecting layers' stores (ClusterKV's layout: ~1.2 rows per position).
+    for cache, cap in ((small, 2048), (large, 8192)):
+        layers, rows = CFG.num_layers - policy.full_layers, policy.store_rows(cap)
+        assert kv_bytes(cache)["host"] == 2 * layers * CFG.num_kv_heads * rows * CFG.head_dim * 4
+    assert 3.9 < kv_bytes(large)["host"] / kv_bytes(small)["host"] <= 4
     # Device KV is the 2 full layers (which grow) plus the fixed compressed-layer buffers.
     full_layers = lambda c: c.groups[0].store.k.nbytes + c.groups[0].store.v.nbytes
     assert kv_bytes(large)["device"] - full_layers(large) == kv_bytes(small)["device"] - full_layers(small)

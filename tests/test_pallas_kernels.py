@@ -19,7 +19,7 @@ from clusterkv_jax.kmeans import _member_sums, cosine_kmeans, problem_keys
 from clusterkv_jax.policies.clusterkv import rank_and_index
 from pallas_kernels import dispatch
 from pallas_kernels.centroid_update import centroid_update, centroid_update_reference
-from pallas_kernels.cluster_index import cluster_to_token_index, cluster_to_token_index_reference
+from pallas_kernels.cluster_index import cluster_to_block_index, cluster_to_block_index_reference
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -147,159 +147,120 @@ def test_centroid_update_equals_kmeans_member_sums():
     np.testing.assert_allclose(np.asarray(sums), np.asarray(ref_sums), rtol=1e-5, atol=1e-4)
 
 
-# ---------------------------------------------------------------------------------------- cluster_to_token_index
+# ---------------------------------------------------------------------------------------- cluster_to_block_index
 
 
-def _cluster_problem(rng, sizes: np.ndarray, S: int):
-    """Ranked metadata for given ranked sizes [P, C]: clusters laid out in a random label order in S slots."""
-    P, C = sizes.shape
-    starts = np.zeros_like(sizes)
-    for p in range(P):
-        layout = rng.permutation(C)  # label order of the ranked clusters in sorted_tokens
-        offs = np.cumsum(sizes[p, layout]) - sizes[p, layout]
-        starts[p, layout] = offs
-    tokens = np.stack([rng.permutation(S) for _ in range(P)])  # distinct positions
-    return (jnp.asarray(sizes, jnp.int32), jnp.asarray(starts, jnp.int32), jnp.asarray(tokens, jnp.int32))
+def _brute_force_blocks(sizes, starts, tokens, slots, block):
+    """Walk the ranked clusters: whole clusters while both budgets hold, the crossing one trimmed; per problem."""
+    sizes, starts = np.asarray(sizes), np.asarray(starts)
+    out_blocks = np.zeros(sizes.shape[:-1] + (slots,), np.int32)
+    out_rows = np.zeros_like(out_blocks)
+    for p in np.ndindex(sizes.shape[:-1]):
+        blocks, rows, taken = [], [], 0
+        for z, first in zip(sizes[p], starts[p]):
+            if z == 0:
+                continue
+            take = min(z, tokens - taken, block * (slots - len(blocks)))
+            if take <= 0:
+                break
+            taken += take
+            for u in range(-(-take // block)):
+                blocks.append(first + u)
+                rows.append(min(block, take - block * u))
+        out_blocks[p][: len(blocks)] = blocks
+        out_rows[p][: len(rows)] = rows
+    return out_blocks, out_rows
 
 
-def _brute_force(sizes, starts, tokens, M):
-    """Union of the top-ranked clusters' members in rank order, the last one trimmed, padded with 0."""
-    sizes, starts, tokens = map(np.asarray, (sizes, starts, tokens))
-    idx = np.zeros((sizes.shape[0], M), np.int32)
-    mask = np.zeros((sizes.shape[0], M), bool)
-    for p in range(sizes.shape[0]):
-        taken = np.concatenate([tokens[p, s : s + n] for s, n in zip(starts[p], sizes[p])] + [np.zeros(0, int)])
-        taken = taken[:M]
-        idx[p, : len(taken)] = taken
-        mask[p, : len(taken)] = True
-    return idx, mask
-
-
-def _check_index(sizes, starts, tokens, M, **kw):
-    idx, mask = cluster_to_token_index(sizes, starts, tokens, M, interpret=True, **kw)
-    assert idx.shape == mask.shape == (sizes.shape[0], M)
-    assert idx.dtype == jnp.int32 and mask.dtype == jnp.bool_
-    ref_idx, ref_mask = cluster_to_token_index_reference(sizes, starts, tokens, M)
-    np.testing.assert_array_equal(np.asarray(idx), np.asarray(ref_idx))
-    np.testing.assert_array_equal(np.asarray(mask), np.asarray(ref_mask))
-    bf_idx, bf_mask = _brute_force(sizes, starts, tokens, M)
-    np.testing.assert_array_equal(np.asarray(idx), bf_idx)
-    np.testing.assert_array_equal(np.asarray(mask), bf_mask)
-    return np.asarray(idx), np.asarray(mask)
+def _check_blocks(sizes, starts, tokens, slots, block, **kw):
+    sizes, starts = jnp.asarray(sizes, jnp.int32), jnp.asarray(starts, jnp.int32)
+    got = cluster_to_block_index(sizes, starts, tokens, slots, block, interpret=True, **kw)
+    ref = cluster_to_block_index_reference(sizes, starts, tokens, slots, block)
+    want = _brute_force_blocks(sizes, starts, tokens, slots, block)
+    for g, r, w in zip(got, ref, want):
+        assert g.shape == w.shape and g.dtype == jnp.int32
+        np.testing.assert_array_equal(np.asarray(g), w)
+        np.testing.assert_array_equal(np.asarray(r), w)
+    return [np.asarray(x) for x in got]
 
 
 @pytest.mark.parametrize(
-    "case, C, M",
+    "case, C, slots, tokens, block",
     [
-        ("random", 37, 100),
-        ("random", 400, 1000),  # M not a multiple of the 128-slot block
-        ("budget_exceeds_tokens", 20, 300),
-        ("zero_sizes", 64, 200),
-        ("giant", 50, 129),
-        ("single_cluster", 1, 77),
-        ("all_empty", 8, 16),
+        ("random", 37, 30, 300, 16),
+        ("random", 80, 80, 1008, 16),  # ClusterKV's defaults at B=1024
+        ("tokens_bind", 20, 50, 100, 4),  # the token budget ends the selection
+        ("blocks_bind", 40, 6, 10_000, 16),  # the block slots end it
+        ("zero_sizes", 64, 40, 500, 8),
+        ("giant", 12, 20, 2000, 16),
+        ("single_cluster", 1, 9, 77, 16),
+        ("all_empty", 8, 5, 100, 16),
+        ("rows", 30, 40, 40, 1),  # block 1: single rows
     ],
 )
-def test_cluster_index_cases(case, C, M):
-    rng = np.random.default_rng(C + M)
+def test_cluster_block_index_cases(case, C, slots, tokens, block):
+    rng = np.random.default_rng(C + slots)
     P = 3
-    if case == "random":
-        sizes = rng.integers(0, 12, (P, C))
-    elif case == "budget_exceeds_tokens":
-        sizes = rng.integers(0, 5, (P, C))  # total < M
+    if case in ("random", "tokens_bind", "blocks_bind", "rows"):
+        sizes = rng.integers(0, 120, (P, C))
     elif case == "zero_sizes":
-        sizes = rng.integers(1, 9, (P, C)) * (rng.random((P, C)) < 0.4)
+        sizes = rng.integers(1, 90, (P, C)) * (rng.random((P, C)) < 0.4)
         sizes[:, :5] = 0  # the best-ranked clusters empty
     elif case == "giant":
         sizes = rng.integers(0, 3, (P, C))
-        sizes[0, 0] = 500  # first-ranked giant cluster alone fills the budget
-        sizes[1, C // 2] = 500  # giant in the middle of the ranking
-        sizes[2, -1] = 500  # giant last
+        sizes[0, 0] = 500  # the first-ranked giant cluster alone fills the slots
+        sizes[1, C // 2] = 500
+        sizes[2, -1] = 500
     elif case == "single_cluster":
         sizes = np.array([[40], [77], [200]])
     else:
         sizes = np.zeros((P, C), int)
-    S = int(sizes.sum(axis=1).max()) + int(rng.integers(0, 10))
-    idx, mask = _check_index(*_cluster_problem(rng, sizes, max(S, 1)), M)
-    np.testing.assert_array_equal(mask.sum(axis=1), np.minimum(M, sizes.sum(axis=1)))
+    starts = rng.permutation(10 * P * C).reshape(P, 10 * C)[:, :C] * 20
+    blocks, rows = _check_blocks(sizes, starts, tokens, slots, block)
+    assert np.all(rows.sum(axis=1) <= tokens) and np.all(rows <= block)
 
 
-@pytest.mark.parametrize("block_m, block_c", [(16, 16), (32, 4), (128, 64)])
-def test_cluster_index_blocks(block_m, block_c):
-    """Several cluster chunks per slot block (the early exit and the running prefix sum across chunks)."""
-    rng = np.random.default_rng(block_m * block_c)
-    sizes = rng.integers(0, 6, (2, 90))
-    _check_index(*_cluster_problem(rng, sizes, int(sizes.sum(axis=1).max())), 150, block_m=block_m, block_c=block_c)
+@pytest.mark.parametrize("block_c", [1, 4, 64])
+def test_cluster_block_index_chunks(block_c):
+    """Several cluster chunks per problem (the running prefix sums across chunks, the early exit)."""
+    rng = np.random.default_rng(block_c)
+    sizes = rng.integers(0, 40, (2, 90))
+    _check_blocks(sizes, rng.integers(0, 5000, (2, 90)), 400, 30, 8, block_c=block_c)
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
-def test_cluster_index_property(data):
+def test_cluster_block_index_property(data):
     # Shapes from small sets, so that compilations are shared between examples.
     C = data.draw(st.sampled_from([1, 5, 33]), label="C")
-    M = data.draw(st.sampled_from([1, 24, 100]), label="M")
-    sizes = np.array(data.draw(st.lists(st.lists(st.integers(0, 40), min_size=C, max_size=C), min_size=2, max_size=2)))
-    seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
-    rng = np.random.default_rng(seed)
-    S = 64 * 40  # >= every total: one shape per (C, M)
-    sizes_j, starts, tokens = _cluster_problem(rng, sizes, S)
-    idx, mask = _check_index(sizes_j, starts, tokens, M, block_m=16, block_c=4)
-    total = sizes.sum(axis=1)
+    slots = data.draw(st.sampled_from([1, 12, 40]), label="slots")
+    block = data.draw(st.sampled_from([1, 16]), label="block")
+    tokens = data.draw(st.integers(0, 600), label="tokens")
+    sizes = np.array(data.draw(st.lists(st.lists(st.integers(0, 70), min_size=C, max_size=C), min_size=2,
+                                        max_size=2)))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31 - 1), label="seed"))
+    starts = rng.permutation(100 * C)[: 2 * C].reshape(2, C) * 10
+    blocks, rows = _check_blocks(sizes, starts, tokens, slots, block)
     for p in range(2):
-        valid = idx[p][mask[p]]
-        assert mask[p].sum() == min(M, total[p])  # exactly min(M, total) valid
-        assert np.all(mask[p][: mask[p].sum()])  # valid slots come first
-        assert len(np.unique(valid)) == len(valid)  # distinct tokens
-        assert np.all(idx[p][~mask[p]] == 0)
-        # Whole clusters in rank order, only the last one taken may be trimmed.
-        members = [set(np.asarray(tokens[p, s : s + n]).tolist()) for s, n in zip(np.asarray(starts[p]), sizes[p])]
-        chosen = set(valid.tolist())
-        cum = np.cumsum(sizes[p])
-        for r, m in enumerate(members):
-            if cum[r] <= M:
-                assert m <= chosen
-            elif cum[r] - sizes[p, r] >= M:
-                assert not (m & chosen)
+        used = rows[p] > 0
+        assert np.all(used[: used.sum()]), "used slots come first"
+        assert rows[p].sum() == min(tokens, rows[p].sum()) <= sizes[p].sum()
 
 
-def test_cluster_index_equals_rank_and_index():
-    """The wiring the lead will do: argsort in XLA, then the kernel == rank_and_index."""
+def test_cluster_block_index_equals_rank_and_index():
+    """The wiring ClusterKV does: top_k in XLA, then the kernel == rank_and_index's reference path, per query
+    head ([B, K, G, C] scores, each head ranking its KV head's clusters)."""
     rng = np.random.default_rng(5)
-    P, C, S, M = 4, 50, 400, 150
-    sizes = rng.integers(0, 16, (P, C)) * (rng.random((P, C)) < 0.8)
-    sizes = np.minimum(sizes, 8)
-    starts = np.cumsum(sizes, axis=1) - sizes  # label order, as after_prefill stores them
-    tokens = jnp.asarray(np.stack([rng.permutation(S) for _ in range(P)]), jnp.int32)
-    scores = jnp.asarray(rng.standard_normal((P, C)), jnp.float32)
-    sizes, starts = jnp.asarray(sizes, jnp.int32), jnp.asarray(starts, jnp.int32)
-    want = rank_and_index(scores, sizes, starts, tokens, M)
-    order = jnp.argsort(-jnp.where(sizes > 0, scores, -jnp.inf), axis=-1)
-    ranked_sizes = jnp.take_along_axis(sizes, order, axis=-1)
-    ranked_starts = jnp.take_along_axis(starts, order, axis=-1)
-    got = cluster_to_token_index(ranked_sizes, ranked_starts, tokens, M, interpret=True)
-    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
-    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
-
-
-def test_cluster_index_group_shares_token_lists():
-    """Sizes [P, G, C] with tokens [P, S]: the G problems of p all read sorted_tokens[p] (per-query-head ranking
-    of a KV head's clusters), as the reference does with the token lists repeated G times."""
-    rng = np.random.default_rng(9)
-    B, K, G, C, S, M = 2, 2, 3, 30, 200, 70
-    sizes = np.minimum(rng.integers(0, 12, (B * K, C)), 6)
-    starts = np.cumsum(sizes, axis=1) - sizes
-    tokens = jnp.asarray(np.stack([rng.permutation(S) for _ in range(B * K)]), jnp.int32)
-    order = np.argsort(rng.standard_normal((B * K * G, C)), axis=1)  # each query head ranks its own way
-    rep = lambda x: np.repeat(x, G, axis=0)  # noqa: E731
-    ranked_sizes = jnp.asarray(np.take_along_axis(rep(sizes), order, axis=1), jnp.int32)
-    ranked_starts = jnp.asarray(np.take_along_axis(rep(starts), order, axis=1), jnp.int32)
-    grouped = lambda x: x.reshape(B * K, G, C)  # noqa: E731
-    got = cluster_to_token_index(grouped(ranked_sizes), grouped(ranked_starts), tokens, M, interpret=True)
-    want = cluster_to_token_index_reference(ranked_sizes, ranked_starts, jnp.repeat(tokens, G, axis=0), M)
-    np.testing.assert_array_equal(np.asarray(got[0]).reshape(B * K * G, M), np.asarray(want[0]))
-    np.testing.assert_array_equal(np.asarray(got[1]).reshape(B * K * G, M), np.asarray(want[1]))
-    ref_grouped = cluster_to_token_index_reference(grouped(ranked_sizes), grouped(ranked_starts), tokens, M)
-    np.testing.assert_array_equal(np.asarray(ref_grouped[0]).reshape(B * K * G, M), np.asarray(want[0]))
+    B, K, G, C, Mb = 2, 2, 3, 50, 20
+    sizes = jnp.asarray(np.broadcast_to(rng.integers(0, 60, (B, K, 1, C)), (B, K, G, C)), jnp.int32)
+    starts = jnp.asarray(np.broadcast_to(rng.permutation(B * K * C).reshape(B, K, 1, C) * 8, (B, K, G, C)),
+                         jnp.int32)
+    scores = jnp.asarray(rng.standard_normal((B, K, G, C)), jnp.float32)
+    want = rank_and_index(scores, sizes, starts, 300, Mb, 16)
+    got = rank_and_index(scores, sizes, starts, 300, Mb, 16, kernel="interpret")
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    assert int(np.asarray(want[1]).sum()) > 0
 
 
 # ------------------------------------------------------------------------------------------------------ dispatch
@@ -339,7 +300,7 @@ def test_check_lowering_for_cuda():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [line for line in proc.stdout.splitlines() if " OK " in line]
     assert sum("centroid_update" in line for line in lines) == 4
-    assert sum("cluster_to_token_index" in line for line in lines) == 2
+    assert sum("cluster_to_block_index" in line for line in lines) == 2
 
 
 @pytest.mark.skipif(

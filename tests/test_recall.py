@@ -82,13 +82,13 @@ def test_probe_scores_the_selection_made_after_indexing_due_tokens():
     _, after, _ = probe.decode_attention(state, q, kv, lengths, prompt)
 
     def token_recall(inner):
-        idx, mask = policy.select(inner, q, None, lengths, prompt)
+        idx, mask = policy.selected_positions(inner, q, None, lengths, prompt)
         scores = np.einsum("bkgh,bksh->bkgs", np.asarray(q).reshape(B, K, 2, H), keys).reshape(B, N, S)[:, :, :P0]
         top = np.argsort(-scores, axis=-1)[:, :, :24]
         idx, mask = np.asarray(idx), np.asarray(mask)
         return np.mean([len(set(top[0, n]) & set(idx[0, n][mask[0, n]].tolist())) / 24 for n in range(N)])
 
-    indexed = policy.index_window(state.inner[0], kv, lengths, prompt)
+    indexed = policy.index_window(state.inner[0], kv, lengths, prompt, rows_of=lambda x: x)  # a position store
     assert int(indexed.clustered_upto[0]) == P0 + W  # the generated tokens were clustered at this step
     now, late = token_recall(indexed), token_recall(state.inner[0])
     assert now < late, "the due clusters displace prompt clusters at this step"

@@ -11,14 +11,14 @@ import pytest
 
 from clusterkv_jax.attention import causal_attention
 from clusterkv_jax.offload import HostKV, to_device
-from clusterkv_jax.store import DeviceKV
+from clusterkv_jax.store import DeviceKV, Selection
 
 n, B, K, S, H, W = 2, 2, 2, 24, 4, 6
 
 
 def _stores():
     device = DeviceKV.create(n, B, K, S, H, jnp.float32)
-    host = HostKV.create(n, B, K, S, H, jnp.float32, window=W, selection_shape=(B, 2 * K, 5), cache_steps=1)
+    host = HostKV.create(n, B, K, S, H, jnp.float32, window=W, selection_shape=(B, 2 * K, 5, 1), cache_steps=1)
     return {"device": device, "host": host}
 
 
@@ -53,7 +53,7 @@ def test_store_protocol_against_numpy(placement):
     idx = rng.integers(0, T + 3, (B, 2 * K, 5)).astype(np.int32)
     idx[0, 0, 0] = S + 7  # clamped to S - 1
     mask = rng.random((B, 2 * K, 5)) < 0.8
-    k_sel, v_sel = jax.jit(lambda s, i, m: view(s).read(i, m)[:2])(store, idx, mask)
+    k_sel, v_sel = jax.jit(lambda s, i, m: view(s).read(Selection.of_rows(i, m))[:2])(store, idx, mask)
     kv_head = (np.arange(2 * K) // 2)[None, :, None]
     clamped = np.minimum(idx, S - 1)
     np.testing.assert_array_equal(np.asarray(k_sel)[mask], want_k[1, np.arange(B)[:, None, None], kv_head, clamped][mask])
@@ -68,6 +68,54 @@ def test_store_protocol_against_numpy(placement):
     if placement == "host":
         assert store.k.sharding.memory_kind == "pinned_host"
         np.testing.assert_array_equal(np.asarray(to_device(store.k)), want_k)
+
+
+@pytest.mark.parametrize("placement", ["device", "host"])
+def test_chunks_layers_and_window_commits_against_numpy(placement):
+    """Whole-layer writes, reads of chunks of consecutive rows (the recall cache looking whole chunks up), and the
+    window's rows copied to rows elsewhere, as a NumPy model of the store says."""
+    rng = np.random.default_rng(1)
+    chunk, c = 4, 3
+    if placement == "device":
+        store = DeviceKV.create(n, B, K, S, H, jnp.float32)
+    else:
+        store = HostKV.create(n, B, K, S, H, jnp.float32, window=W, selection_shape=(B, K, c, chunk), cache_steps=2)
+    want_k, want_v = rng.normal(size=(2, B, K, S, H)).astype(np.float32)
+    store = jax.jit(lambda s, k, v: s.write_layer(jnp.int32(0), k, v))(store, want_k, want_v)
+    view = lambda s: s.layer(jnp.int32(0))  # noqa: E731
+    def read_selection(s, st, m):
+        k, v, after = view(s).read(Selection(starts=st, mask=m, chunk=chunk))
+        return k, v, after.store
+
+    read = jax.jit(read_selection)
+    for step in range(3):  # the recall cache sees repeated chunks
+        starts = rng.integers(0, S - chunk + 1, (B, K, c)).astype(np.int32)
+        mask = rng.random((B, K, c, chunk)) < 0.8
+        k_sel, v_sel, store = read(store, starts, mask)
+        rows = starts[..., None] + np.arange(chunk)
+        got_k = np.asarray(k_sel).reshape(B, K, c, chunk, H)
+        expect = np.take_along_axis(want_k, rows.reshape(B, K, c * chunk)[..., None], axis=2).reshape(got_k.shape)
+        np.testing.assert_array_equal(got_k[mask], expect[mask])
+        expect_v = np.take_along_axis(want_v, rows.reshape(B, K, c * chunk)[..., None], axis=2)
+        np.testing.assert_array_equal(np.asarray(v_sel).reshape(got_k.shape)[mask],
+                                      expect_v.reshape(got_k.shape)[mask])
+    # The window: tokens written at rows 3..6, then copied to rows dest (row S: out of range, dropped).
+    for t, row in enumerate(range(3, 7)):
+        k, v = rng.normal(size=(2, B, K, H)).astype(np.float32)
+        store = jax.jit(lambda s, r, k, v: s.write_token(jnp.int32(0), r, k, v))(store, jnp.full((B,), row), k, v)
+        want_k[:, :, row], want_v[:, :, row] = k, v
+    window = np.tile(np.arange(3, 7), (B, 1)).astype(np.int32)
+    dest = rng.permutation(np.arange(10, 10 + K * 4)).reshape(1, K, 4).repeat(B, 0).astype(np.int32)
+    dest[1, 0, 2] = S
+    store = jax.jit(lambda s, w, d: view(s).commit_window(w, d).store)(store, window, dest)
+    for b in range(B):
+        for k in range(K):
+            for i in range(4):
+                if dest[b, k, i] < S:
+                    want_k[b, k, dest[b, k, i]], want_v[b, k, dest[b, k, i]] = want_k[b, k, 3 + i], want_v[b, k, 3 + i]
+    keys, values = jax.jit(lambda s: (view(s).keys(), view(s).values()))(store)
+    np.testing.assert_array_equal(np.asarray(keys), want_k)
+    np.testing.assert_array_equal(np.asarray(values), want_v)
 
 
 def test_kv_bytes_count_what_each_placement_holds():

@@ -17,14 +17,16 @@ from clusterkv_jax.bench.synthetic import synthetic_kv
 from clusterkv_jax.config import ModelConfig
 from clusterkv_jax.generate import bucket_length, cache_capacity
 from clusterkv_jax.policies import KVPolicy
+from clusterkv_jax.cache import LayerGroup, write_prompt_layer
 from clusterkv_jax.store import DeviceKV
 
 
 def bench_attention(config: ModelConfig, policies: dict[str, KVPolicy], contexts: list[int], *, batch: int = 1,
                     dtype=jnp.float32, repeats: int = 20, seed: int = 0, progress: bool = True) -> dict[str, Any]:
     """One layer's decode attention: full (`attention.decode_attention`) vs each selecting policy's
-    `decode_attention` and its `select` alone. Each time is the median of `repeats` calls, the policies
-    interleaved. Policies that select in no layer of `config` (full KV) are timed once, as "full"."""
+    `decode_attention` (over its own store layout) and its `select` alone. Each time is the median of `repeats`
+    calls, the policies interleaved. Policies that select in no layer of `config` (full KV) are timed once, as
+    "full"."""
     one_layer = dataclasses.replace(config, num_layers=1)
     results: dict[str, Any] = {"contexts": {}, "batch": batch, "dtype": str(jnp.dtype(dtype)),
                                "geometry": {"num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads,
@@ -33,22 +35,26 @@ def bench_attention(config: ModelConfig, policies: dict[str, KVPolicy], contexts
     for context in contexts:
         capacity = cache_capacity(bucket_length(context), 1)
         kv = synthetic_kv(jax.random.PRNGKey(seed), one_layer, batch, context, capacity, dtype)
-        store = DeviceKV(k=kv[0], v=kv[1])  # [1, B, K, S, H]
         k, v = kv[0][0], kv[1][0]  # [B, K, S, H]
         # The new token's row is already written: lengths count it.
         lengths = jnp.full((batch,), context, jnp.int32)
         q = jax.random.normal(jax.random.PRNGKey(seed + 1), (batch, N, H), jnp.float32).astype(dtype)
         calls: dict[str, tuple[Any, tuple]] = {}
-        indexing: dict[str, float] = {}  # after-prefill indexing of the layer (the clustering, for ClusterKV)
+        indexing: dict[str, float] = {}  # the layer's prompt indexing and layout (ClusterKV: clustering)
         calls["full"] = (compiled(jax.jit(attention.decode_attention), q, k, v, lengths)[0], (q, k, v, lengths))
         for name, policy in policies.items():
             if policy.full_layers >= config.num_layers:  # selects nothing
                 continue
             policy = dataclasses.replace(policy, full_layers=0)
-            empty = policy.init_state(one_layer, batch, capacity)
-            index = jax.jit(lambda s, k, n, p=policy: p.after_prefill(s, k, n))
-            lay, index_s = timed(compiled(index, empty, k, lengths)[0], empty, k, lengths)
-            attend = jax.jit(lambda s, q, st, n, p=policy: p.decode_attention(s, q, st.layer(jnp.int32(0)), n, n)[0])
+            empty = (DeviceKV.create(1, batch, config.num_kv_heads, policy.store_rows(capacity), H, dtype),
+                     policy.init_state(one_layer, batch, capacity))
+            group = LayerGroup(store=None, state=None, start=0, selecting=True)
+            # The store and index a prefill of this prompt leaves, in the policy's layout.
+            index = jax.jit(lambda e, k, v, n, p=policy: write_prompt_layer(p, group, *e, jnp.int32(0), k, v, n,
+                                                                              capacity))
+            (store, lay), index_s = timed(compiled(index, empty, k, v, lengths)[0], empty, k, v, lengths)
+            attend = jax.jit(lambda s, q, st, n, p=policy: p.decode_attention(s, q, st.layer(jnp.int32(0), capacity),
+                                                                              n, n)[0])
             keys = k if policy.reads_all_keys else None
             select = jax.jit(lambda s, q, k, n, p=policy: p.select(s, q, k, n, n))
             calls[name] = (compiled(attend, lay, q, store, lengths)[0], (lay, q, store, lengths))

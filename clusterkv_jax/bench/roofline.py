@@ -22,8 +22,9 @@ def step_bytes(config: ModelConfig, params, policy, context: int, batch: int, re
     kv = full_layers * batch * c.num_kv_heads * context * row
     meta = 0
     if selecting := c.num_layers - full_layers:
-        _, heads, slots = policy.selection_shape(c, batch, context)
-        # Each selection head reads its selection; the window is read once per KV head (shared by its query heads).
-        kv += selecting * batch * (heads * min(slots, context) + c.num_kv_heads * recent) * row
+        _, heads, chunks, chunk = policy.selection_shape(c, batch, context)
+        # Each selection head reads its selection (whole chunks); the window is read once per KV head (shared by
+        # its query heads).
+        kv += selecting * batch * (heads * min(chunks * chunk, context) + c.num_kv_heads * recent) * row
         meta = selecting * batch * policy.metadata_bytes(c, context)
     return {"weights": int(weights), "kv": int(kv), "metadata": int(meta), "total": int(weights + kv + meta)}

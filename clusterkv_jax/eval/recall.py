@@ -83,12 +83,15 @@ class RecallProbe(KVPolicy):
         token_recall, mass_recall, inner = [], [], []
         for p, budget, s in zip(self.policies, self.budgets, state.inner):
             active = state.layer >= p.full_layers
-            # Advance the wrapped policy as it advances itself (decode-time clusters, pages, ...), then select.
-            s = jax.lax.cond(active, lambda s, p=p: p.index_window(s, kv, lengths, prompt_lengths), lambda s: s, s)
-            idx, mask = p.select(s, q, keys, lengths, prompt_lengths)
+            # Advance the wrapped policy as it advances itself (decode-time clusters, pages, ...), then select. This
+            # store is position-ordered: the window's keys are read by position, whatever the policy's own layout.
+            s = jax.lax.cond(active, lambda s, p=p: p.index_window(s, kv, lengths, prompt_lengths, rows_of=lambda x: x),
+                             lambda s: s, s)
+            idx, mask = p.selected_positions(s, q, keys, lengths, prompt_lengths)
             if idx.shape[1] != N:  # one selection per KV head, shared by its query heads
                 idx, mask = jnp.repeat(idx, G, axis=1), jnp.repeat(mask, G, axis=1)
             chosen = jnp.zeros((B, N, S), jnp.float32)
+            idx = jnp.where(mask, idx, 0)
             chosen = jax.vmap(jax.vmap(lambda c, i, m: c.at[i].max(m.astype(jnp.float32))))(chosen, idx, mask)
             chosen = chosen * in_prompt
             k = jnp.minimum(budget, prompt_lengths)  # [B]

@@ -7,11 +7,17 @@ on array values). A new policy is one module implementing `init_state`, `select`
 
 Per decode step, for each selecting layer, `decode_attention` (generic, below) runs:
 
-1. `index_recent`: the policy may index the window of recent tokens it has not indexed yet;
-2. `select`: the budgeted selection, token positions idx and a mask [B, h, M];
+1. `index_recent`: the policy may index the window of recent tokens it has not indexed yet (and
+   `commit_recent` move them in its store);
+2. `select`: the budgeted selection, a `store.Selection` of chunks of rows (or rows and a mask [B, h, M]);
 3. the layer's store reads the selected rows and the window rows (`clusterkv_jax.store`: device memory or,
    with `offload`, host memory with a device recall cache: the policy does not see the difference);
 4. one softmax over the selection and the window (`attention.selection_and_window_attention`).
+
+Layout: by default row r of a layer's store holds position r. A policy may arrange its layers otherwise
+(ClusterKV keeps each cluster's members in consecutive rows, so a selection reads whole blocks) through
+`store_rows`, `prompt_rows`, `token_rows`, `commit_recent` and `selection_positions`; the defaults keep
+positions.
 
 Budget rule (the same for every policy): a budget B counts every token attended from the prompt and from
 already-indexed generated tokens, attention sinks included; generated tokens a policy has not yet indexed
@@ -31,6 +37,7 @@ import jax.numpy as jnp
 from clusterkv_jax.attention import selection_and_window_attention
 from clusterkv_jax.config import ModelConfig
 from clusterkv_jax.policies.common import recent_window
+from clusterkv_jax.store import Selection, as_selection
 
 
 class KVPolicy:
@@ -52,9 +59,13 @@ class KVPolicy:
         """Whether a group of layers (selecting ones, or full ones) keeps its K/V in host memory."""
         return self.offload and selecting
 
-    def selection_shape(self, config: ModelConfig, batch_size: int, capacity: int) -> tuple[int, int, int]:
-        """(B, h, M) of `select`'s idx and mask."""
+    def selection_shape(self, config: ModelConfig, batch_size: int, capacity: int) -> tuple[int, int, int, int]:
+        """(B, h, n, chunk): `select` picks n chunks of `chunk` rows per selection head (chunk 1 for rows)."""
         raise NotImplementedError
+
+    def store_rows(self, capacity: int) -> int:
+        """Rows of a selecting layer's store for a capacity of `capacity` positions (default: one per position)."""
+        return capacity
 
     def window_size(self, capacity: int) -> int:
         """Static slots of the window of unindexed recent tokens [window_start, length) (0: no window)."""
@@ -79,6 +90,24 @@ class KVPolicy:
         """Indexes one layer's prompt keys [B, K, S, H] (rows >= lengths[b] are padding); returns its state."""
         return state
 
+    def prompt_rows(self, state: Any) -> jax.Array | None:
+        """After `after_prefill`: the position each store row holds, [B, K, R] (-1: empty), or None for row =
+        position."""
+        return None
+
+    def token_rows(self, state: Any, positions: jax.Array, capacity: int) -> jax.Array:
+        """The store rows of tokens at positions [B, ...] (same shape; a position past `capacity` maps out of
+        range, so its write is dropped)."""
+        return positions
+
+    def commit_recent(self, old_state: Any, new_state: Any, kv):
+        """After `index_recent` changed the state: move what it indexed in the store; returns the store view."""
+        return kv
+
+    def selection_positions(self, state: Any, selection: Selection) -> jax.Array:
+        """The positions [B, h, n * chunk] of a selection's rows (the recall evaluation compares positions)."""
+        return selection.rows()
+
     def window_start(self, state: Any, lengths: jax.Array, prompt_lengths: jax.Array) -> jax.Array:
         """[B] first position of the window (positions below it are indexed, or sinks)."""
         return lengths
@@ -95,23 +124,34 @@ class KVPolicy:
         keys: jax.Array | None,  # [B, K, S, H] the layer's keys when `reads_all_keys`, else None
         lengths: jax.Array,  # [B] valid rows, the new token included
         prompt_lengths: jax.Array,  # [B]
-    ) -> tuple[jax.Array, jax.Array]:
-        """The budgeted selection (the B tokens counted by the budget, sinks included; not the window):
-        token positions idx [B, h, M] and a validity mask [B, h, M], h = N (a selection per query head) or
-        h = K (one per KV head, shared by its query heads). Used by `decode_attention` and the recall eval."""
+    ) -> Selection | tuple[jax.Array, jax.Array]:
+        """The budgeted selection (the B tokens counted by the budget, sinks included; not the window), per
+        selection head h = N (a selection per query head) or h = K (one per KV head, shared by its query heads):
+        a `store.Selection` of chunks of store rows, or rows idx [B, h, M] and a validity mask [B, h, M].
+        Used by `decode_attention` and the recall evaluation."""
         raise NotImplementedError
+
+    def selected_positions(self, state: Any, q: jax.Array, keys: jax.Array | None, lengths: jax.Array,
+                           prompt_lengths: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """`select` as token positions and a mask, [B, h, M], whatever the store layout (evaluation, tests)."""
+        selection = as_selection(self.select(state, q, keys, lengths, prompt_lengths))
+        return self.selection_positions(state, selection), selection.flat_mask()
 
     # ---- The decode step of a selecting layer (generic) ------------------------------------------------
 
-    def index_window(self, state: Any, kv, lengths: jax.Array, prompt_lengths: jax.Array) -> Any:
-        """`index_recent` with the window's keys read from the layer's store view `kv`."""
-        W = self.window_size(kv.capacity)
+    def index_window(self, state: Any, kv, lengths: jax.Array, prompt_lengths: jax.Array, rows_of=None) -> Any:
+        """`index_recent` with the window's keys read from the layer's store view `kv`; `rows_of(positions)` gives
+        their rows (default: `token_rows`, this policy's own layout)."""
+        W = self.window_size(kv.positions)
         if not W:
             return state
         start = self.window_start(state, lengths, prompt_lengths)
+        if rows_of is None:
+            rows_of = lambda p: self.token_rows(state, p, kv.positions)  # noqa: E731
 
         def recent_keys():
-            return kv.window(jnp.minimum(start[:, None] + jnp.arange(W), kv.capacity - 1))[0]
+            positions = jnp.minimum(start[:, None] + jnp.arange(W), kv.positions - 1)  # [B, W]
+            return kv.window(rows_of(positions))[0]
 
         return self.index_recent(state, recent_keys, lengths, prompt_lengths)
 
@@ -119,18 +159,19 @@ class KVPolicy:
         """One layer's decode attention over the selection and the window, from the store view `kv` (this
         layer, the new token's row written). Returns (output [B, N, H] float32, state, kv)."""
         with jax.named_scope("index"):
-            state = self.index_window(state, kv, lengths, prompt_lengths)
+            indexed = self.index_window(state, kv, lengths, prompt_lengths)
+            kv, state = self.commit_recent(state, indexed, kv), indexed
         with jax.named_scope("select"):
             keys = kv.keys() if self.reads_all_keys else None
-            idx, mask = self.select(state, q, keys, lengths, prompt_lengths)
-        k_sel, v_sel, kv = kv.read(idx, mask)
+            selection = as_selection(self.select(state, q, keys, lengths, prompt_lengths))
+        k_sel, v_sel, kv = kv.read(selection)
         k_win = v_win = w_mask = None
-        if W := self.window_size(kv.capacity):
-            w_idx, w_mask = recent_window(lengths, self.window_start(state, lengths, prompt_lengths), W)
+        if W := self.window_size(kv.positions):
+            positions, w_mask = recent_window(lengths, self.window_start(state, lengths, prompt_lengths), W)
             with jax.named_scope("window"):
-                k_win, v_win = kv.window(w_idx)
+                k_win, v_win = kv.window(self.token_rows(state, positions, kv.positions))
         with jax.named_scope("attend"):
-            out = selection_and_window_attention(q, k_sel, v_sel, mask, k_win, v_win, w_mask)
+            out = selection_and_window_attention(q, k_sel, v_sel, selection.flat_mask(), k_win, v_win, w_mask)
         return out, state, kv
 
 

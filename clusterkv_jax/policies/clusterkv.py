@@ -1,15 +1,27 @@
 """ClusterKV: recallable KV selection at the granularity of semantic clusters of keys.
 
 After prefill, per layer >= full_layers, sequence and KV head, the post-RoPE keys of tokens [sinks, L) are
-clustered with cosine K-means into C0 = max(1, (L - sinks) // tokens_per_cluster) clusters. Per cluster we
-store its centroid (mean of member keys), its size, and its start offset into the token positions sorted by
-cluster label. At decode, clusters are ranked by q·μ and taken in that order until the budget is filled (the
-last one trimmed); the sinks are always attended. Every `decode_interval` generated tokens, those tokens
-alone are clustered into `decode_clusters` new clusters appended to the index; until then they are attended
-in full (the recent window, reported outside the budget).
+clustered with cosine K-means into C0 = max(1, (L - sinks) // tokens_per_cluster) clusters; every
+`decode_interval` generated tokens, those tokens alone are clustered into `decode_clusters` more, appended to the
+index. Each cluster's stored centroid is the mean of its member keys. At decode, clusters are ranked by q·μ and
+taken in that order until the budget is filled (the last one trimmed); the sinks are always attended; generated
+tokens not clustered yet are attended in full (the window, reported outside the budget).
 
-Shapes: B batch, N query heads, K KV heads, G = N // K, S capacity, H head dim, C cluster slots,
-M budgeted slots (budget - sinks), W = decode_interval.
+Layout of this policy's layers: the store keeps each cluster's members in consecutive rows, in whole blocks of
+`block_size` rows (a cluster's last block partly filled), so a selection reads a few dozen contiguous blocks:
+
+    rows [0, W)                     the window: generated tokens not clustered yet, row = position % W
+    blocks from ceil(W / bs)        the sinks, then each cluster's members in position order, cluster after
+                                    cluster (prompt clusters, then each decode-time group)
+
+A selection is at most `block_slots()` blocks: the budget's blocks plus one per cluster of average size it could
+take plus 4. On SmolLM2-135M at 8k the clusters the rule selects needed at most 74 of the 80 slots at B=1024; if
+they ever needed more, the last clusters would be dropped and the budget left unfilled. `row_positions` maps
+rows back to token positions (the recall evaluation, tests). The store holds ~1.2x the rows of a position-ordered
+one (each cluster's last block is partly empty).
+
+Shapes: B batch, N query heads, K KV heads, G = N // K, S capacity (positions), R store rows, H head dim,
+C cluster slots, W = decode_interval, bs = block_size, Mb block slots, ns sink blocks.
 """
 
 from __future__ import annotations
@@ -22,22 +34,24 @@ import jax
 import jax.numpy as jnp
 
 from clusterkv_jax.kmeans import cosine_kmeans, problem_keys
-from clusterkv_jax.ops import per_shard
+from clusterkv_jax.ops import per_shard, top_k_indices
 from clusterkv_jax.policies.base import KVPolicy
-from clusterkv_jax.policies.common import expand_heads, sink_slots
-from pallas_kernels import cluster_to_token_index, cluster_to_token_index_reference, use_kernels
+from clusterkv_jax.store import Selection
+from pallas_kernels import cluster_to_block_index, cluster_to_block_index_reference, use_kernels
 
 
 @flax.struct.dataclass
 class ClusterIndex:
-    """One layer's cluster metadata."""
+    """One layer's clusters and the layout of its store."""
 
     centroids: jax.Array  # [B, K, C, H] float32 mean of member keys
-    sizes: jax.Array  # [B, K, C] int32 (0: unused slot)
-    starts: jax.Array  # [B, K, C] int32 offset of each cluster's first member in `sorted_tokens`
-    sorted_tokens: jax.Array  # [B, K, S] int32 positions of clustered tokens, grouped by cluster
-    clustered_upto: jax.Array  # [B] int32 positions < this are sinks or clustered; the rest are recent
-    num_prompt_clusters: jax.Array  # [B] int32 C0 of each sequence
+    sizes: jax.Array  # [B, K, C] int32 members (0: unused slot)
+    block_start: jax.Array  # [B, K, C] int32 the cluster's first block (rows block_start * bs ...)
+    row_positions: jax.Array  # [B, K, R] int32 the position each store row holds (-1: empty)
+    next_block: jax.Array  # [B, K] int32 first block not used yet
+    recent_rows: jax.Array  # [B, K, W] int32 rows the last clustered window moved to (by offset in the window)
+    clustered_upto: jax.Array  # [B] int32 positions < this are sinks or clustered; the rest are the window
+    num_prompt_clusters: jax.Array  # [B] int32 C0 of each sequence (decode-time clusters follow)
 
 
 def _exclusive_cumsum(x: jax.Array) -> jax.Array:
@@ -47,25 +61,47 @@ def _exclusive_cumsum(x: jax.Array) -> jax.Array:
 def rank_and_index(
     scores: jax.Array,  # [..., C] float32 cluster scores
     sizes: jax.Array,  # [..., C] int32
-    starts: jax.Array,  # [..., C] int32
-    sorted_tokens: jax.Array,  # [..., S] int32 (leading dims: a prefix of the scores': a shared token list)
+    block_start: jax.Array,  # [..., C] int32
+    tokens: int,
     slots: int,
+    block_size: int,
     kernel: str = "reference",
 ) -> tuple[jax.Array, jax.Array]:
-    """Clusters in descending score order, members taken until `slots` tokens (the last cluster trimmed).
+    """Clusters in descending score order (ties to the lower index), members taken until `tokens` tokens or
+    `slots` blocks (the last cluster trimmed to fit both). Returns the selected blocks [..., slots] and the rows
+    selected in each [..., slots] (its first rows; 0 for an unused slot).
 
-    Returns token positions [..., slots] and a mask [..., slots] (False where fewer tokens exist). The
-    ranking is an argsort in XLA; the slot -> token indexing is `pallas_kernels.cluster_to_token_index`: the
-    Pallas kernel (kernel "pallas" / "interpret", per device shard under a mesh) or its reference.
+    The top `slots` clusters come from `lax.top_k` (no cluster beyond them can be taken: each takes a block);
+    the block indexing is `pallas_kernels.cluster_to_block_index`: the Pallas kernel (kernel "pallas" /
+    "interpret", per device shard under a mesh) or its reference.
     """
     scores = jnp.where(sizes > 0, scores, -jnp.inf)
-    order = jnp.argsort(-scores, axis=-1)  # [..., C] best first
-    ranked_sizes = jnp.take_along_axis(sizes, order, axis=-1)
-    ranked_starts = jnp.take_along_axis(starts, order, axis=-1)
+    top = top_k_indices(scores, min(slots, scores.shape[-1]))  # [..., c] best first
+    ranked_sizes = jnp.take_along_axis(sizes, top, axis=-1)
+    ranked_starts = jnp.take_along_axis(block_start, top, axis=-1)
     if kernel == "reference":
-        return cluster_to_token_index_reference(ranked_sizes, ranked_starts, sorted_tokens, slots)
-    run = functools.partial(cluster_to_token_index, slots=slots, interpret=kernel == "interpret")
-    return per_shard(lambda s, st, t: run(s, st, t), ranked_sizes, ranked_starts, sorted_tokens)
+        return cluster_to_block_index_reference(ranked_sizes, ranked_starts, tokens, slots, block_size)
+    run = functools.partial(cluster_to_block_index, tokens=tokens, slots=slots, block_size=block_size,
+                            interpret=kernel == "interpret")
+    return per_shard(lambda s, st: run(s, st), ranked_sizes, ranked_starts)
+
+
+def _layout_rows(labels, sizes, block_start, block_size: int, num_clusters: int):
+    """Store rows of clustered tokens: labels [B, K, n] (>= num_clusters: not clustered), sizes and block_start
+    [B, K, num_clusters] -> (order [B, K, n] token offsets grouped by cluster, in position order within a
+    cluster; rows [B, K, n] the row of token order[..., i], -1 where it is not clustered)."""
+    order = jnp.argsort(labels, axis=-1, stable=True)
+    sorted_labels = jnp.take_along_axis(labels, order, axis=-1)
+    label = jnp.minimum(sorted_labels, num_clusters - 1)
+    rank = jnp.arange(labels.shape[-1]) - jnp.take_along_axis(_exclusive_cumsum(sizes), label, axis=-1)
+    rows = jnp.take_along_axis(block_start, label, axis=-1) * block_size + rank
+    return order, jnp.where(sorted_labels < num_clusters, rows, -1)
+
+
+def _scatter_last(x, index, values):
+    """x [B, K, m].at[index [B, K, n]].set(values), negative or out-of-range indices dropped."""
+    index = jnp.where(index < 0, x.shape[-1], index)
+    return jax.vmap(jax.vmap(lambda a, i, v: a.at[i].set(v, mode="drop")))(x, index, values)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +121,8 @@ class ClusterKV(KVPolicy):
     seed: int = 0
     offload: bool = False
     cache_steps: int = 1
+    #: Rows per block of the store layout: selections read whole blocks.
+    block_size: int = 16
     #: "auto" (Pallas kernels on CUDA sm80+, pure JAX elsewhere), "pallas", "reference", or "interpret"
     #: (the Pallas kernels in interpret mode, on any device: slow, for tests).
     kernels: str = "auto"
@@ -112,6 +150,8 @@ class ClusterKV(KVPolicy):
             raise ValueError(f"gqa must be 'per_head' or 'shared', got {self.gqa!r}")
         if self.cache_steps < 0:
             raise ValueError(f"cache_steps must be >= 0, got {self.cache_steps}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.kernels not in ("auto", "pallas", "reference", "interpret"):
             raise ValueError(f"kernels must be 'auto', 'pallas', 'reference' or 'interpret', got {self.kernels!r}")
 
@@ -122,37 +162,65 @@ class ClusterKV(KVPolicy):
             return "interpret"
         return "pallas" if use_kernels(self.kernels) else "reference"
 
-    # Static sizes derived from the cache capacity S.
+    # ---- Static sizes, from the capacity S -----------------------------------------------------------------
+
     def prompt_cluster_slots(self, capacity: int) -> int:
         return max(1, (capacity - self.sinks) // self.tokens_per_cluster)
 
-    def decode_cluster_slots(self, capacity: int) -> int:
-        return self.decode_clusters * (capacity // self.decode_interval + 1)
+    def cluster_slots(self, capacity: int) -> int:
+        """Prompt clusters plus decode-time groups never exceed 1 + S x max(1 / tokens_per_cluster,
+        decode_clusters / decode_interval): the prompt and the generated tokens share the capacity."""
+        per_token = max(capacity // self.tokens_per_cluster, capacity * self.decode_clusters // self.decode_interval)
+        return 1 + per_token + self.decode_clusters
 
-    def init_state(self, config, batch_size, capacity):
-        B, K, H = batch_size, config.num_kv_heads, config.head_dim
-        C = self.prompt_cluster_slots(capacity) + self.decode_cluster_slots(capacity)
-        zi = lambda *shape: jnp.zeros(shape, jnp.int32)
-        return ClusterIndex(
-            centroids=jnp.zeros((B, K, C, H), jnp.float32),
-            sizes=zi(B, K, C),
-            starts=zi(B, K, C),
-            sorted_tokens=zi(B, K, capacity),
-            clustered_upto=zi(B),
-            num_prompt_clusters=zi(B),
-        )
+    def block_slots(self) -> int:
+        """Mb: the blocks a selection may read (see the module docstring)."""
+        tokens = self.budget - self.sinks
+        return -(-tokens // self.block_size) + -(-tokens // self.tokens_per_cluster) + 4
+
+    def _first_block(self) -> int:
+        """The sinks' first block, after the window's rows."""
+        return -(-self.decode_interval // self.block_size)
+
+    def _sink_blocks(self) -> int:
+        return -(-self.sinks // self.block_size)
+
+    def store_rows(self, capacity: int) -> int:
+        bs = self.block_size
+        blocks = self._first_block() + self._sink_blocks() + -(-max(capacity - self.sinks, 0) // bs)
+        return bs * (blocks + self.cluster_slots(capacity))  # each cluster's last block may be partly empty
 
     def selection_shape(self, config, batch_size, capacity):
         heads = config.num_heads if self.gqa == "per_head" else config.num_kv_heads
-        return (batch_size, heads, self.budget)
+        return (batch_size, heads, self._sink_blocks() + self.block_slots(), self.block_size)
 
     def metadata_bytes(self, config, context):
         clusters = max(1, (context - self.sinks) // self.tokens_per_cluster)
         return config.num_kv_heads * clusters * config.head_dim * 4  # float32 centroids
 
+    def window_size(self, capacity: int) -> int:
+        return self.decode_interval
+
+    # ---- Prefill ---------------------------------------------------------------------------------------------
+
+    def init_state(self, config, batch_size, capacity):
+        B, K, H = batch_size, config.num_kv_heads, config.head_dim
+        C, R = self.cluster_slots(capacity), self.store_rows(capacity)
+        zi = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
+        return ClusterIndex(
+            centroids=jnp.zeros((B, K, C, H), jnp.float32),
+            sizes=zi(B, K, C),
+            block_start=zi(B, K, C),
+            row_positions=jnp.full((B, K, R), -1, jnp.int32),
+            next_block=zi(B, K),
+            recent_rows=jnp.full((B, K, self.decode_interval), R, jnp.int32),
+            clustered_upto=zi(B),
+            num_prompt_clusters=zi(B),
+        )
+
     def after_prefill(self, state: ClusterIndex, keys, lengths):
         B, K, S, H = keys.shape
-        C0 = self.prompt_cluster_slots(S)
+        bs, C0 = self.block_size, self.prompt_cluster_slots(S)
         pos = jnp.arange(S)
         # [B, S] tokens to cluster: past the sinks, inside the prompt.
         valid = (pos[None, :] >= self.sinks) & (pos[None, :] < lengths[:, None])
@@ -169,58 +237,45 @@ class ClusterKV(KVPolicy):
                 init=self.init,
                 kernel=self.kernel,
             )
-        # Positions sorted by label; masked tokens (label C0) sort last.
-        sorted_tokens = jnp.argsort(result.labels, axis=-1, stable=True).astype(jnp.int32)
-        sizes = result.sizes
+        sizes = result.sizes  # [B, K, C0]
+        blocks = -(-sizes // bs)
+        first = self._first_block() + self._sink_blocks()
+        block_start = first + _exclusive_cumsum(blocks)
+        order, rows = _layout_rows(result.labels, sizes, block_start, bs, C0)
+        row_positions = _scatter_last(state.row_positions, rows, order.astype(jnp.int32))
+        # The sinks: positions [0, min(sinks, length)) in the rows of the sink blocks.
+        sink_pos = jnp.arange(self.sinks, dtype=jnp.int32)
+        sink_rows = jnp.where(sink_pos[None, :] < lengths[:, None], self._first_block() * bs + sink_pos, -1)
+        row_positions = _scatter_last(row_positions, jnp.broadcast_to(sink_rows[:, None], (B, K, self.sinks)),
+                                      jnp.broadcast_to(sink_pos, (B, K, self.sinks)))
         return state.replace(
             centroids=state.centroids.at[:, :, :C0].set(result.centroids),
             sizes=state.sizes.at[:, :, :C0].set(sizes),
-            starts=state.starts.at[:, :, :C0].set(_exclusive_cumsum(sizes)),
-            sorted_tokens=sorted_tokens,
+            block_start=state.block_start.at[:, :, :C0].set(block_start),
+            row_positions=row_positions,
+            next_block=first + jnp.sum(blocks, axis=-1),
             clustered_upto=lengths.astype(jnp.int32),
             num_prompt_clusters=num_clusters,
         )
+
+    def prompt_rows(self, state: ClusterIndex):
+        return state.row_positions
 
     def _head_keys(self, B: int, K: int, salt: int) -> jax.Array:
         """[B, K, 2] PRNG keys that depend on the KV head only: a sequence clusters alike alone or in a batch."""
         per_head = problem_keys(jax.random.fold_in(jax.random.PRNGKey(self.seed), salt), K)
         return jnp.broadcast_to(per_head[None], (B,) + per_head.shape)
 
-    def _scores(self, state: ClusterIndex, q):
-        """q·μ of every cluster: [B, K, G, C] per query head, or [B, K, C] summed over a KV head's query heads."""
-        B, N, H = q.shape
-        K = state.centroids.shape[1]
-        scores = jnp.einsum("BKGH,BKCH->BKGC", q.reshape(B, K, N // K, H).astype(jnp.float32), state.centroids)
-        return scores if self.gqa == "per_head" else jnp.sum(scores, axis=2)
+    # ---- Decode ----------------------------------------------------------------------------------------------
 
-    def select(self, state: ClusterIndex, q, keys, lengths, prompt_lengths):
-        """Sinks, then the top clusters' members: idx, mask [B, N, budget] (gqa "per_head"; query head n
-        ranks the clusters of KV head n // G) or [B, K, budget] (gqa "shared")."""
-        B, N, _ = q.shape
-        scores = self._scores(state, q)
-        sizes, starts = state.sizes, state.starts
-        if self.gqa == "per_head":  # [B, K, G, C]: each query head ranks its KV head's clusters
-            sizes = jnp.broadcast_to(sizes[:, :, None], scores.shape)
-            starts = jnp.broadcast_to(starts[:, :, None], scores.shape)
-        slots = self.budget - self.sinks
-        # The KV head's token list [B, K, S] serves its G query heads as it is (no copy per query head).
-        idx, mask = rank_and_index(scores, sizes, starts, state.sorted_tokens, slots, kernel=self.kernel)
-        heads = idx.shape[1] * (idx.shape[2] if self.gqa == "per_head" else 1)
-        idx, mask = idx.reshape(B, heads, slots), mask.reshape(B, heads, slots)
-        sink_idx, sink_mask = sink_slots(jnp.minimum(lengths, prompt_lengths), self.sinks)
-        idx = jnp.concatenate([expand_heads(sink_idx, heads), idx], axis=-1)
-        mask = jnp.concatenate([expand_heads(sink_mask, heads), mask], axis=-1)
-        return idx, mask
-
-    def window_size(self, capacity: int) -> int:
-        return self.decode_interval
+    def token_rows(self, state: ClusterIndex, positions, capacity):
+        W, R = self.decode_interval, state.row_positions.shape[-1]
+        return jnp.where(positions < capacity, positions % W, R)  # the window's rows; past the capacity: dropped
 
     def window_start(self, state: ClusterIndex, lengths, prompt_lengths):
         return state.clustered_upto
 
     def index_recent(self, state: ClusterIndex, recent_keys, lengths, prompt_lengths):
-        if state.sorted_tokens.shape[-1] < self.decode_interval:  # no interval fits in this cache
-            return state
         due = lengths - state.clustered_upto >= self.decode_interval  # [B]
         return jax.lax.cond(
             jnp.any(due), lambda s: self._cluster_recent(s, recent_keys(), due, prompt_lengths), lambda s: s, state
@@ -228,10 +283,10 @@ class ClusterKV(KVPolicy):
 
     def _cluster_recent(self, state: ClusterIndex, recent, due, prompt_lengths):
         """Clusters the `decode_interval` tokens past `clustered_upto` of each due sequence (their keys: recent
-        [B, K, W, H]) into `decode_clusters` new clusters appended to the index."""
+        [B, K, W, H]) into `decode_clusters` new clusters, appended after the sequence's clusters so far, their
+        members laid out in new blocks (`commit_recent` moves them there)."""
         B, K, W, H = recent.shape
-        S = state.sorted_tokens.shape[-1]
-        Cp = self.decode_clusters
+        Cp, bs, R = self.decode_clusters, self.block_size, state.row_positions.shape[-1]
         start = state.clustered_upto  # [B]
         with jax.named_scope("kmeans"):
             result = cosine_kmeans(
@@ -244,29 +299,75 @@ class ClusterKV(KVPolicy):
                 init=self.init,
                 kernel=self.kernel,
             )
-        order = jnp.argsort(result.labels, axis=-1, stable=True)
-        sizes = result.sizes
-        # Where the new clusters and their members go: after the prompt clusters and earlier decode groups.
-        C0 = self.prompt_cluster_slots(S)
-        n_groups = (start - prompt_lengths) // W  # [B] decode groups already clustered
-        slot = C0 + n_groups * Cp  # [B]
-        # [B] where the members go in sorted_tokens: the list holds every clustered position, sinks excluded.
-        member_offset = start - jnp.minimum(prompt_lengths, self.sinks)
-
-        def write(state_b, sizes_b, cent_b, order_b, slot_b, off_b, start_b):
-            new_tokens = (start_b + order_b).astype(jnp.int32)  # [K, W]
-            return (
-                jax.lax.dynamic_update_slice(state_b[0], cent_b, (0, slot_b, 0)),
-                jax.lax.dynamic_update_slice(state_b[1], sizes_b, (0, slot_b)),
-                jax.lax.dynamic_update_slice(state_b[2], off_b + _exclusive_cumsum(sizes_b), (0, slot_b)),
-                jax.lax.dynamic_update_slice(state_b[3], new_tokens, (0, off_b)),
-            )
-
-        cur = (state.centroids, state.sizes, state.starts, state.sorted_tokens)
-        new = jax.vmap(write)(cur, sizes, result.centroids, order, slot, member_offset, start)
-        pick = lambda n, o: jnp.where(due.reshape((B,) + (1,) * (o.ndim - 1)), n, o)
-        centroids, sizes_all, starts, sorted_tokens = (pick(n, o) for n, o in zip(new, cur))
+        sizes = result.sizes  # [B, K, Cp]
+        blocks = -(-sizes // bs)
+        block_start = state.next_block[..., None] + _exclusive_cumsum(blocks)
+        order, rows = _layout_rows(result.labels, sizes, block_start, bs, Cp)
+        # Where the new clusters go: after the prompt's clusters and earlier decode groups.
+        slot = state.num_prompt_clusters + (start - prompt_lengths) // W * Cp  # [B]
+        put = jax.vmap(lambda a, x, at: jax.lax.dynamic_update_slice_in_dim(a, x, at, axis=1))
+        is_due = due[:, None, None]
+        recent_rows = _scatter_last(jnp.full((B, K, W), R, jnp.int32), order, rows)
         return state.replace(
-            centroids=centroids, sizes=sizes_all, starts=starts, sorted_tokens=sorted_tokens,
+            centroids=jnp.where(is_due[..., None], put(state.centroids, result.centroids, slot), state.centroids),
+            sizes=jnp.where(is_due, put(state.sizes, sizes, slot), state.sizes),
+            block_start=jnp.where(is_due, put(state.block_start, block_start, slot), state.block_start),
+            row_positions=_scatter_last(state.row_positions, jnp.where(is_due, rows, -1),
+                                        (start[:, None, None] + order).astype(jnp.int32)),
+            next_block=jnp.where(due[:, None], state.next_block + jnp.sum(blocks, axis=-1), state.next_block),
+            recent_rows=jnp.where(is_due, recent_rows, R),
             clustered_upto=jnp.where(due, start + W, start),
         )
+
+    def commit_recent(self, old_state: ClusterIndex, new_state: ClusterIndex, kv):
+        """Copies the window's rows of the sequences just clustered to their new blocks."""
+        due = new_state.clustered_upto != old_state.clustered_upto  # [B]
+        W, R = self.decode_interval, old_state.row_positions.shape[-1]
+
+        def move(store):
+            view = type(kv)(store, kv.index, kv.positions)
+            rows = (old_state.clustered_upto[:, None] + jnp.arange(W)) % W  # [B, W] the window's rows
+            dest = jnp.where(due[:, None, None], new_state.recent_rows, R)
+            return view.commit_window(rows, dest).store
+
+        return type(kv)(jax.lax.cond(jnp.any(due), move, lambda s: s, kv.store), kv.index, kv.positions)
+
+    def _scores(self, state: ClusterIndex, q):
+        """q·μ of every cluster: [B, K, G, C] per query head, or [B, K, 1, C] for the sum of a KV head's queries
+        (what `gqa="shared"` ranks by: summing the queries first is one matrix-vector product per KV head)."""
+        B, N, H = q.shape
+        K = state.centroids.shape[1]
+        qg = q.reshape(B, K, N // K, H).astype(jnp.float32)
+        if self.gqa == "shared":
+            qg = jnp.sum(qg, axis=2, keepdims=True)
+        # Centroids as the left operand: a [C, H] x [H, G] product per KV head.
+        return jnp.swapaxes(jnp.einsum("BKCH,BKGH->BKCG", state.centroids, qg), -1, -2)
+
+    def select(self, state: ClusterIndex, q, keys, lengths, prompt_lengths) -> Selection:
+        """Sink blocks, then the blocks of the top clusters: starts [B, h, ns + Mb], mask [B, h, ns + Mb, bs],
+        h = N (gqa "per_head"; query head n ranks the clusters of KV head n // G) or K (gqa "shared")."""
+        B = q.shape[0]
+        bs, ns, Mb = self.block_size, self._sink_blocks(), self.block_slots()
+        scores = self._scores(state, q)  # [B, K, g, C]
+        K, g = scores.shape[1], scores.shape[2]
+        ranked = lambda x: jnp.broadcast_to(x[:, :, None], scores.shape)  # noqa: E731
+        blocks, rows = rank_and_index(scores, ranked(state.sizes), ranked(state.block_start),
+                                      self.budget - self.sinks, Mb, bs, kernel=self.kernel)  # [B, K, g, Mb]
+        offsets = jnp.arange(bs, dtype=jnp.int32)
+        mask = offsets < rows[..., None]  # [B, K, g, Mb, bs]
+        # The sinks: positions i * bs + r of sink block i, while inside the prompt (and the sequence).
+        sink = jnp.arange(ns, dtype=jnp.int32)[:, None] * bs + offsets  # [ns, bs]
+        sink_mask = (sink < self.sinks) & (sink < jnp.minimum(lengths, prompt_lengths)[:, None, None])  # [B, ns, bs]
+        sink_starts = (self._first_block() + jnp.arange(ns, dtype=jnp.int32)) * bs
+        starts = jnp.concatenate([jnp.broadcast_to(sink_starts, (B, K, g, ns)), blocks * bs], axis=-1)
+        mask = jnp.concatenate([jnp.broadcast_to(sink_mask[:, None, None], (B, K, g, ns, bs)), mask], axis=-2)
+        return Selection(starts=starts.reshape(B, K * g, ns + Mb), mask=mask.reshape(B, K * g, ns + Mb, bs),
+                         chunk=bs)
+
+    def selection_positions(self, state: ClusterIndex, selection: Selection):
+        B, h, n = selection.starts.shape
+        K = state.row_positions.shape[1]
+        rows = selection.rows().reshape(B, K, -1)  # a KV head's rows for all its selection heads
+        R = state.row_positions.shape[-1]
+        positions = jnp.take_along_axis(state.row_positions, jnp.clip(rows, 0, R - 1), axis=-1)
+        return positions.reshape(B, h, n * selection.chunk)

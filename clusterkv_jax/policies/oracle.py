@@ -39,7 +39,7 @@ class OracleTopK(StatelessPolicy):
             raise ValueError(f"full_layers must be >= 0, got {self.full_layers}")
 
     def selection_shape(self, config, batch_size, capacity):
-        return (batch_size, config.num_heads, min(self.budget, capacity))
+        return (batch_size, config.num_heads, min(self.budget, capacity), 1)
 
     def window_size(self, capacity):
         return capacity  # the generated region [prompt_length, length) is bounded only by the capacity

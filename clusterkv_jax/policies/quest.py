@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from clusterkv_jax.ops import top_k_indices
 
 from clusterkv_jax.policies.base import KVPolicy
+from clusterkv_jax.store import Selection
 
 
 @flax.struct.dataclass
@@ -94,8 +95,11 @@ class Quest(KVPolicy):
         )
 
     def selection_shape(self, config, batch_size, capacity):
-        return (batch_size, config.num_heads, min(self.budget // self.page_size, self.num_pages(capacity))
-                * self.page_size)
+        return (batch_size, config.num_heads, min(self.budget // self.page_size, self.num_pages(capacity)),
+                self.page_size)
+
+    def store_rows(self, capacity):
+        return -(-capacity // self.page_size) * self.page_size  # whole pages: a page never reads past the end
 
     def metadata_bytes(self, config, context):
         pages = -(-context // self.page_size)
@@ -162,8 +166,9 @@ class Quest(KVPolicy):
         scores = (pos + neg).reshape(B, N, P)
         return jnp.where(state.page_len[:, None, :] > 0, scores, -jnp.inf)
 
-    def select(self, state: QuestState, q, keys, lengths, prompt_lengths):
-        """Tokens of each query head's top pages: idx, mask [B, N, n_pages * page_size]."""
+    def select(self, state: QuestState, q, keys, lengths, prompt_lengths) -> Selection:
+        """Each query head's top pages, as chunks of `page_size` rows starting at each page's first position:
+        [B, N, n_pages] starts, [B, N, n_pages, page_size] mask (partial and unused pages masked)."""
         B, N, _ = q.shape
         P, ps = state.kmin.shape[2], self.page_size
         n_pages = min(self.budget // ps, P)
@@ -175,7 +180,5 @@ class Quest(KVPolicy):
         top = top_k_indices(scores, n_pages)  # [B, N, n_pages]
         start = jnp.take_along_axis(jnp.broadcast_to(state.page_start[:, None, :], (B, N, P)), top, axis=2)
         plen = jnp.take_along_axis(jnp.broadcast_to(state.page_len[:, None, :], (B, N, P)), top, axis=2)
-        offsets = jnp.arange(ps, dtype=jnp.int32)
-        mask = offsets < plen[..., None]  # [B, N, n_pages, ps]: partial and unused pages masked
-        idx = jnp.where(mask, start[..., None] + offsets, 0)
-        return idx.reshape(B, N, n_pages * ps), mask.reshape(B, N, n_pages * ps)
+        mask = jnp.arange(ps, dtype=jnp.int32) < plen[..., None]  # [B, N, n_pages, ps]
+        return Selection(starts=start, mask=mask, chunk=ps)

@@ -40,7 +40,7 @@ class StreamingLLM(StatelessPolicy):
             raise ValueError(f"full_layers must be >= 0, got {self.full_layers}")
 
     def selection_shape(self, config, batch_size, capacity):
-        return (batch_size, config.num_heads, self.budget)
+        return (batch_size, config.num_heads, self.budget, 1)
 
     def select(self, state, q, keys, lengths, prompt_lengths):
         """Sinks then the sliding window: idx, mask [B, N, budget], the same for every head."""
