@@ -21,12 +21,28 @@ from clusterkv_jax.cache import LayerGroup, write_prompt_layer
 from clusterkv_jax.store import DeviceKV
 
 
+def _output_and_store(result):
+    out, _, kv = result
+    return out, kv.store
+
+
+class _Donating:
+    """Calls exe(state, q, store, lengths) -> (out, store), passing each call's store to the next (donated)."""
+
+    def __init__(self, exe, store):
+        self.exe, self.store = exe, store
+
+    def __call__(self, state, q, lengths):
+        out, self.store = self.exe(state, q, self.store, lengths)
+        return out
+
+
 def bench_attention(config: ModelConfig, policies: dict[str, KVPolicy], contexts: list[int], *, batch: int = 1,
                     dtype=jnp.float32, repeats: int = 20, seed: int = 0, progress: bool = True) -> dict[str, Any]:
     """One layer's decode attention: full (`attention.decode_attention`) vs each selecting policy's
-    `decode_attention` (over its own store layout) and its `select` alone. Each time is the median of `repeats`
-    calls, the policies interleaved. Policies that select in no layer of `config` (full KV) are timed once, as
-    "full"."""
+    `decode_attention` (over its own store layout, the store donated as in the model's step) and its `select`
+    alone. Each time is the median of `repeats` calls, the policies interleaved. Policies that select in no layer
+    of `config` (full KV) are timed once, as "full"."""
     one_layer = dataclasses.replace(config, num_layers=1)
     results: dict[str, Any] = {"contexts": {}, "batch": batch, "dtype": str(jnp.dtype(dtype)),
                                "geometry": {"num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads,
@@ -53,11 +69,12 @@ def bench_attention(config: ModelConfig, policies: dict[str, KVPolicy], contexts
             index = jax.jit(lambda e, k, v, n, p=policy: write_prompt_layer(p, group, *e, jnp.int32(0), k, v, n,
                                                                               capacity))
             (store, lay), index_s = timed(compiled(index, empty, k, v, lengths)[0], empty, k, v, lengths)
-            attend = jax.jit(lambda s, q, st, n, p=policy: p.decode_attention(s, q, st.layer(jnp.int32(0), capacity),
-                                                                              n, n)[0])
+            # As in the model's decode step, the store is donated (a policy may update it in place).
+            attend = jax.jit(lambda s, q, st, n, p=policy: _output_and_store(p.decode_attention(
+                s, q, st.layer(jnp.int32(0), capacity), n, n)), donate_argnums=2)
             keys = k if policy.reads_all_keys else None
             select = jax.jit(lambda s, q, k, n, p=policy: p.select(s, q, k, n, n))
-            calls[name] = (compiled(attend, lay, q, store, lengths)[0], (lay, q, store, lengths))
+            calls[name] = (_Donating(compiled(attend, lay, q, store, lengths)[0], store), (lay, q, lengths))
             indexing[name] = index_s
             calls[f"{name} select"] = (compiled(select, lay, q, keys, lengths)[0], (lay, q, keys, lengths))
         times: dict[str, list[float]] = {name: [] for name in calls}
