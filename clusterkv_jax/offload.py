@@ -246,18 +246,19 @@ class HostLayer(LayerView):
                             fetched=count(rc.fetched, float(B * h * c * chunk)))
             return flat(k), flat(v), HostLayer(self.store.replace(recall=rc), at, self.positions)
         layer_of = lambda x: jax.lax.dynamic_index_in_dim(x, at, keepdims=False)
-        # Look each chunk up among the R·c cached ones: sort once, then binary search.
+        # Look each chunk up among the R·c cached ones: one comparison matrix [B, h, c, R·c] (a few thousand
+        # compares per head; cheaper on a CPU than a sort and a binary search).
         cached = layer_of(rc.ids).reshape(B, h, R * c)
-        order = jnp.argsort(cached, axis=-1)
-        sorted_ids = jnp.take_along_axis(cached, order, axis=-1)
-        pos = jax.vmap(jax.vmap(lambda s, x: jnp.searchsorted(s, x)))(sorted_ids, starts)
-        pos = jnp.minimum(pos, R * c - 1)
-        hit = (jnp.take_along_axis(sorted_ids, pos, axis=-1) == starts) & mask  # [B, h, c]
-        where_cached = jnp.take_along_axis(order, pos, axis=-1)[..., None, None]
-        cached_k = jnp.take_along_axis(layer_of(rc.k).reshape(B, h, R * c, chunk, H), where_cached, axis=2)
-        cached_v = jnp.take_along_axis(layer_of(rc.v).reshape(B, h, R * c, chunk, H), where_cached, axis=2)
+        same = starts[..., :, None] == cached[..., None, :]
+        hit = jnp.any(same, axis=-1) & mask  # [B, h, c]
+        where_cached = jnp.argmax(same, axis=-1)  # its place in the cache (0 when missed)
+        # Whole chunks per index (a per-element take_along_axis is several times slower on XLA:CPU).
+        take = jax.vmap(jax.vmap(lambda a, i: jnp.take(a, i, axis=0, mode="clip")))
+        cached_k = take(layer_of(rc.k).reshape(B, h, R * c, chunk, H), where_cached)
+        cached_v = take(layer_of(rc.v).reshape(B, h, R * c, chunk, H), where_cached)
 
-        # Misses first (stable), then fetch only as many chunks as the fullest head needs, rounded up to a bucket.
+        # Misses first (stable), then fetch only as many chunks as the fullest head needs, rounded up to a bucket,
+        # written over the cache's stale rows in place (a hit among the first n is refetched: the same rows).
         miss = mask & ~hit
         miss_first = jnp.argsort(~miss, axis=-1, stable=True)  # [B, h, c]
         miss_starts = jnp.take_along_axis(starts, miss_first, axis=-1)
@@ -266,17 +267,14 @@ class HostLayer(LayerView):
         bucket = jnp.sum(jnp.array(buckets[:-1]) < most)  # index of the smallest bucket holding `most`
 
         def fetch(n):
-            def run(_):
+            def run(kv):
                 k, v = self.host_gather(miss_starts[..., :n], chunk)  # [B, h, n, chunk, H]
                 dest = miss_first[..., :n]
-                put = jax.vmap(jax.vmap(lambda z, d, r: z.at[d].set(r)))
-                zeros = jnp.zeros((B, h, c, chunk, H), k.dtype)
-                return put(zeros, dest, k), put(zeros, dest, v), jnp.float32(B * h * n * chunk)
+                put = jax.vmap(jax.vmap(lambda z, d, r: z.at[d].set(r.astype(z.dtype))))
+                return put(kv[0], dest, k), put(kv[1], dest, v), jnp.float32(B * h * n * chunk)
             return run
 
-        fetched_k, fetched_v, moved = jax.lax.switch(bucket, [fetch(n) for n in buckets], None)
-        k = jnp.where(hit[..., None, None], cached_k.astype(fetched_k.dtype), fetched_k)
-        v = jnp.where(hit[..., None, None], cached_v.astype(fetched_v.dtype), fetched_v)
+        k, v, moved = jax.lax.switch(bucket, [fetch(n) for n in buckets], (cached_k, cached_v))
         slot = layer_of(rc.step) % R
         put = lambda a, x: jax.lax.dynamic_update_index_in_dim(
             a, jax.lax.dynamic_update_index_in_dim(layer_of(a), x.astype(a.dtype), slot, axis=2), at, axis=0)

@@ -55,6 +55,27 @@ def test_bench_decode_times_the_tokens_generate_produces():
         assert row["full"]["speedup_vs_full"] == 1.0
 
 
+def test_bench_decode_offloaded_reports_the_recall_hit_rate_of_its_decoding():
+    from clusterkv_jax.bench.report import format_decode_context
+    from clusterkv_jax.offload import hit_rates
+
+    prompt = np.random.default_rng(1).integers(0, CFG.vocab_size, (1, 150)).astype(np.int32)
+    policy = ClusterKV(budget=32, offload=True, **SMALL)
+    results = bench_decode(PARAMS, CFG, {"full": FullKV(offload=True), "clusterkv@32": policy}, [150], decode=12,
+                           batch=1, prompt_fn=lambda c, b: prompt[:b, :c], bandwidth_Bps=1e10, progress=False)
+    row = results["contexts"]["150"]
+    # The same decoding through generate: 12 decode steps after the prefill's token.
+    expected = generate(Model(config=CFG, params=PARAMS, tokenizer=None), prompt[0].tolist(), 13, policy=policy,
+                        stop_at_eos=False, return_cache=True)
+    assert row["clusterkv@32"]["tokens"] == expected.tokens[0]
+    rates = [r for r in hit_rates(expected.cache) if r is not None]
+    assert row["clusterkv@32"]["recall_hit_rate"] == pytest.approx(np.mean(rates))
+    assert 0 < row["clusterkv@32"]["recall_hit_rate"] < 1
+    assert "recall_hit_rate" not in row["full"]  # FullKV offloaded selects nothing: no recall cache
+    table = format_decode_context(150, row)
+    assert "recall hit rate" in table and f"{row['clusterkv@32']['recall_hit_rate']:.3f} |" in table
+
+
 def test_synthetic_cache_decodes_alike_on_device_and_offloaded():
     kv = synthetic_kv(jax.random.PRNGKey(1), CFG, 2, 150, 256, jnp.float32)
     token = jnp.array([3, 7], jnp.int32)

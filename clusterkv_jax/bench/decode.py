@@ -34,6 +34,7 @@ from clusterkv_jax.cache import KVCache, init_cache, kv_bytes
 from clusterkv_jax.config import ModelConfig
 from clusterkv_jax.eval.policies import make_policy
 from clusterkv_jax.generate import bucket_length, cache_capacity, decode_step, prefill
+from clusterkv_jax.offload import hit_rates
 from clusterkv_jax.policies import FullKV, KVPolicy
 
 WARMUP_STEPS = 2
@@ -197,6 +198,9 @@ def bench_decode(
             info["end_to_end_s"] = prefill_like + info["decode_total_s"]
             if info.get("indexing_s") is not None and info["prefill_s"]:
                 info["indexing_share_of_prefill"] = info["indexing_s"] / info["prefill_s"]
+            rates = [r for r in hit_rates(run.cache) if r is not None] if run.cache is not None else []
+            if rates:  # offloaded selecting layers: share of selected rows the device recall cache served
+                info["recall_hit_rate"] = float(np.mean(rates))
             row[name] = info
             if policy is None:  # HF transformers: no roofline of ours
                 continue

@@ -15,6 +15,10 @@ def format_decode_context(context: int, row: dict[str, Any]) -> str:
     lines = [f"context {context}",
              "| policy | prefill s | indexing s (share) | decode ms/token | tokens/s | vs full | x roofline | "
              "end-to-end s | device KV MB | host KV MB |", "|---|---|---|---|---|---|---|---|---|---|"]
+    hits = any("recall_hit_rate" in r for r in row.values())
+    if hits:  # offloaded: the recall cache's hit rate
+        lines[1] += " recall hit rate |"
+        lines[2] += "---|"
     for name, r in row.items():
         share = r.get("indexing_share_of_prefill")
         indexing = "" if r.get("indexing_s") is None else (
@@ -24,7 +28,8 @@ def format_decode_context(context: int, row: dict[str, Any]) -> str:
             f"| {name} | {_fmt(r.get('prefill_s'), '.2f')} | {indexing} | {r['decode_ms']:.1f} | "
             f"{r['decode_tokens_per_s']:.1f} | {r['speedup_vs_full']:.2f}x | {_fmt(r.get('x_roofline'), '.1f')} | "
             f"{_fmt(r.get('end_to_end_s'), '.2f')} | {_fmt(kvb.get('device', 0) / 1e6 if kvb else None, '.0f')} | "
-            f"{_fmt(kvb.get('host', 0) / 1e6 if kvb else None, '.0f')} |")
+            f"{_fmt(kvb.get('host', 0) / 1e6 if kvb else None, '.0f')} |"
+            + (f" {_fmt(r.get('recall_hit_rate'), '.3f')} |" if hits else ""))
     return "\n".join(lines)
 
 
