@@ -153,7 +153,7 @@ class HostKV(KVStore):
 
     write_layer = write_prompt  # the same write, of all R rows
 
-    def _write_rows(self, index, k, v) -> "HostKV":
+    def write_rows(self, index, k, v) -> "HostKV":
         """Host rows at index [B, K, m, 2] (from row_index) <- k, v [B, K, m, H] (out of range: dropped)."""
         index = to_host(index)
         k_h, v_h = to_host(k.astype(self.k.dtype)), to_host(v.astype(self.v.dtype))
@@ -165,7 +165,7 @@ class HostKV(KVStore):
 
     def write_token(self, layer, rows, k, v) -> "HostKV":
         B, K = k.shape[:2]
-        store = self._write_rows(row_index(jnp.broadcast_to(rows[:, None, None], (B, K, 1)), layer),
+        store = self.write_rows(row_index(jnp.broadcast_to(rows[:, None, None], (B, K, 1)), layer),
                                  k[:, :, None], v[:, :, None])
         if self.ring_k is None:
             return store
@@ -223,10 +223,6 @@ class HostLayer(LayerView):
         K = self.store.ring_k.shape[2]
         slots = row_index(jnp.broadcast_to((rows % self.store.ring_k.shape[3])[:, None, :], (B, K, W)), self.index)
         return gather_rows(self.store.ring_k, slots), gather_rows(self.store.ring_v, slots)
-
-    def commit_window(self, rows, dest) -> "HostLayer":
-        k, v = self.window(rows)  # [B, K, W, H] from the device ring
-        return HostLayer(self.store._write_rows(row_index(dest, self.index), k, v), self.index, self.positions)
 
     @jax.named_scope("recall")
     def read(self, selection: Selection):

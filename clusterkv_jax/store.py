@@ -15,6 +15,8 @@ The protocol (`layer` is the layer's index inside the group, a traced int):
     store.write_layer(layer, k, v)              k, v [B, K, R, H] become every row of the layer
     store.write_token(layer, rows, k, v)        k, v [B, K, H] become row rows[b] of sequence b (out of range:
                                                 dropped)
+    store.write_rows(index, k, v)               k, v [B, K, m, H] become the rows at index [B, K, m, 2]
+                                                (`ops.row_index`: layer, row; out of range: dropped)
     view = store.layer(layer)                   one layer, as attention reads it:
         view.keys(), view.values()              [B, K, R, H] every row, on the device
         view.read(selection) -> (k, v, view)    rows [B, h, n * chunk, H] of a `Selection` (h = N query heads,
@@ -22,7 +24,7 @@ The protocol (`layer` is the layer's index inside the group, a traced int):
         view.window(rows) -> (k, v)             rows [B, K, W, H] at rows [B, W] of the unindexed window (the
                                                 same rows for every KV head)
         view.commit_window(rows, dest) -> view  copies window rows [B, W] to rows dest [B, K, W] (dest out of
-                                                range: nothing copied)
+                                                range: nothing copied; shared by both placements)
         view.store                              the store after the reads (HostKV keeps a recall cache)
     store.memory_kinds()                        the store with every array replaced by its memory kind
     store.nbytes()                              {"device": bytes, "host": bytes} actually held
@@ -97,6 +99,11 @@ class LayerView:
     index: jax.Array  # [] int32 the layer inside the store's group
     positions: int  # S, the cache's capacity in positions (the store may have more rows than positions)
 
+    def commit_window(self, rows, dest) -> "LayerView":
+        """Copies window rows [B, W] to rows dest [B, K, W] (out of range: nothing copied)."""
+        k, v = self.window(rows)  # [B, K, W, H]
+        return type(self)(self.store.write_rows(row_index(dest, self.index), k, v), self.index, self.positions)
+
 
 @flax.struct.dataclass
 class DeviceKV(KVStore):
@@ -117,11 +124,14 @@ class DeviceKV(KVStore):
 
     write_layer = write_prompt  # the same write, of all R rows
 
+    def write_rows(self, index, k, v) -> "DeviceKV":
+        """Rows at index [B, K, m, 2] (from `row_index`) <- k, v [B, K, m, H] (out of range: dropped). B and K are
+        scatter batching dims: a sharded store is written shard by shard."""
+        return self.replace(k=scatter_rows(self.k, index, k), v=scatter_rows(self.v, index, v))
+
     def write_token(self, layer, rows, k, v) -> "DeviceKV":
-        # [B, K, 1] rows, B and K as scatter batching dims: a sharded store is written shard by shard.
         index = row_index(jnp.broadcast_to(rows[:, None, None], k.shape[:2] + (1,)), layer)
-        return self.replace(k=scatter_rows(self.k, index, k[:, :, None]),
-                            v=scatter_rows(self.v, index, v[:, :, None]))
+        return self.write_rows(index, k[:, :, None], v[:, :, None])
 
     def layer(self, layer, positions: int | None = None) -> "DeviceLayer":
         return DeviceLayer(self, layer, self.capacity if positions is None else positions)
@@ -152,9 +162,3 @@ class DeviceLayer(LayerView):
         B, W = rows.shape
         index = row_index(jnp.broadcast_to(rows[:, None, :], (B, self.store.k.shape[2], W)), self.index)
         return gather_rows(self.store.k, index), gather_rows(self.store.v, index)
-
-    def commit_window(self, rows, dest) -> "DeviceLayer":
-        k, v = self.window(rows)  # [B, K, W, H]
-        index = row_index(dest, self.index)
-        store = self.store.replace(k=scatter_rows(self.store.k, index, k), v=scatter_rows(self.store.v, index, v))
-        return DeviceLayer(store, self.index, self.positions)
