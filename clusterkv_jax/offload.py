@@ -224,6 +224,12 @@ class HostLayer(LayerView):
         slots = row_index(jnp.broadcast_to((rows % self.store.ring_k.shape[3])[:, None, :], (B, K, W)), self.index)
         return gather_rows(self.store.ring_k, slots), gather_rows(self.store.ring_v, slots)
 
+    def ring(self, window: int):
+        # The device ring holds row r at slot r % W: rows [0, W) are the ring itself, in order.
+        assert window == self.store.ring_k.shape[3], (window, self.store.ring_k.shape)
+        at = lambda x: jax.lax.dynamic_index_in_dim(x, self.index, keepdims=False)  # noqa: E731
+        return at(self.store.ring_k), at(self.store.ring_v)
+
     @jax.named_scope("recall")
     def read(self, selection: Selection):
         """The selected chunks: recall-cache hits from the device, misses fetched from the host."""

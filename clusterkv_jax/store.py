@@ -23,6 +23,8 @@ The protocol (`layer` is the layer's index inside the group, a traced int):
                                                 query head n reading KV head n // G; or h = K)
         view.window(rows) -> (k, v)             rows [B, K, W, H] at rows [B, W] of the unindexed window (the
                                                 same rows for every KV head)
+        view.ring(W) -> (k, v)                  rows [0, W) [B, K, W, H]: a window kept as a ring (row = position
+                                                % W) read as one slice
         view.commit_window(rows, dest) -> view  copies window rows [B, W] to rows dest [B, K, W] (dest out of
                                                 range: nothing copied; shared by both placements)
         view.store                              the store after the reads (HostKV keeps a recall cache)
@@ -162,3 +164,6 @@ class DeviceLayer(LayerView):
         B, W = rows.shape
         index = row_index(jnp.broadcast_to(rows[:, None, :], (B, self.store.k.shape[2], W)), self.index)
         return gather_rows(self.store.k, index), gather_rows(self.store.v, index)
+
+    def ring(self, window: int):
+        return self.keys()[:, :, :window], self.values()[:, :, :window]

@@ -192,16 +192,19 @@ def test_invalid_settings_raise(kwargs):
     slots=st.integers(1, 12),
     block=st.sampled_from([1, 4, 16]),
     seed=st.integers(0, 2**16),
+    first=st.sampled_from([None, 1, 2, 4]),
 )
-def test_rank_and_index_matches_brute_force(sizes, tokens, slots, block, seed):
+def test_rank_and_index_matches_brute_force(sizes, tokens, slots, block, seed, first):
     """Clusters by descending score (ties to the lower index), taken while `tokens` tokens and `slots` blocks
-    hold, the last one trimmed: the blocks and rows a NumPy walk of the clusters gives."""
+    hold, the last one trimmed: the blocks and rows a NumPy walk of the clusters gives, whether the top `first`
+    clusters fill the budget (the short ranking) or not (the full one)."""
     rng = np.random.default_rng(seed)
     sizes = np.array(sizes, np.int32)
-    first = rng.permutation(1000)[: len(sizes)].astype(np.int32) * 10  # disjoint block ranges
+    first_block = rng.permutation(1000)[: len(sizes)].astype(np.int32) * 10  # disjoint block ranges
     scores = rng.normal(size=len(sizes)).astype(np.float32)
     scores[rng.random(len(sizes)) < 0.2] = 0.5  # some ties
-    blocks, rows = rank_and_index(jnp.asarray(scores), jnp.asarray(sizes), jnp.asarray(first), tokens, slots, block)
+    blocks, rows = rank_and_index(jnp.asarray(scores), jnp.asarray(sizes), jnp.asarray(first_block), tokens, slots,
+                                  block, first=first)
     want_blocks, want_rows, taken = [], [], 0
     for c in np.argsort(-scores, kind="stable"):
         if sizes[c] == 0:
@@ -211,7 +214,7 @@ def test_rank_and_index_matches_brute_force(sizes, tokens, slots, block, seed):
             break
         taken += take
         for u in range(-(-take // block)):
-            want_blocks.append(first[c] + u)
+            want_blocks.append(first_block[c] + u)
             want_rows.append(min(block, take - block * u))
     pad = slots - len(want_blocks)
     assert np.asarray(blocks).tolist() == want_blocks + [0] * pad
@@ -275,3 +278,20 @@ def test_selection_and_window_attention_matches_numpy(per_query_head):
             p = np.exp(s - s.max())
             want[b, n] = (p / p.sum()) @ values[b, kv, rows]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@given(W=st.integers(1, 12), start=st.integers(0, 60), count=st.integers(0, 12), capacity=st.integers(1, 80))
+@settings(max_examples=60, deadline=None)
+def test_ring_window_mask_marks_the_slots_holding_the_window(W, start, count, capacity):
+    """A ring slot r is in the window iff the last position written to it (the largest p < length with
+    p % W == r, p inside the capacity) lies in [start, length): brute force over the writes."""
+    from clusterkv_jax.policies.common import ring_window_mask
+
+    count = min(count, W)  # the window never holds more than W tokens
+    length = start + count
+    last = {}
+    for p in range(min(length, capacity)):
+        last[p % W] = p
+    want = np.array([r in last and last[r] >= start for r in range(W)])
+    got = np.asarray(ring_window_mask(jnp.array([length]), jnp.array([start]), W, capacity))[0]
+    np.testing.assert_array_equal(got, want)

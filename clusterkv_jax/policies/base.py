@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from clusterkv_jax.attention import selection_and_window_attention
 from clusterkv_jax.config import ModelConfig
-from clusterkv_jax.policies.common import recent_window
+from clusterkv_jax.policies.common import recent_window, ring_window_mask
 from clusterkv_jax.store import Selection, as_selection
 
 
@@ -52,6 +52,9 @@ class KVPolicy:
     #: `select` scores every cached key (it gets the layer's keys [B, K, S, H]; others get None). Such a policy
     #: cannot offload: it would read the whole host store every step.
     reads_all_keys: bool = False
+    #: The window's tokens sit in store rows [0, W), row = position % W (see `token_rows`), so a step reads the
+    #: window as one slice of the store (`view.ring`) instead of gathering its rows.
+    ring_window: bool = False
 
     # ---- What the model, the offload path and the benchmarks need to know (static) ----------------------
 
@@ -167,9 +170,14 @@ class KVPolicy:
         k_sel, v_sel, kv = kv.read(selection)
         k_win = v_win = w_mask = None
         if W := self.window_size(kv.positions):
-            positions, w_mask = recent_window(lengths, self.window_start(state, lengths, prompt_lengths), W)
+            start = self.window_start(state, lengths, prompt_lengths)
             with jax.named_scope("window"):
-                k_win, v_win = kv.window(self.token_rows(state, positions, kv.positions))
+                if self.ring_window:
+                    k_win, v_win = kv.ring(W)
+                    w_mask = ring_window_mask(lengths, start, W, kv.positions)
+                else:
+                    positions, w_mask = recent_window(lengths, start, W)
+                    k_win, v_win = kv.window(self.token_rows(state, positions, kv.positions))
         with jax.named_scope("attend"):
             out = selection_and_window_attention(q, k_sel, v_sel, selection.flat_mask(), k_win, v_win, w_mask)
         return out, state, kv

@@ -66,24 +66,39 @@ def rank_and_index(
     slots: int,
     block_size: int,
     kernel: str = "reference",
+    first: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Clusters in descending score order (ties to the lower index), members taken until `tokens` tokens or
     `slots` blocks (the last cluster trimmed to fit both). Returns the selected blocks [..., slots] and the rows
     selected in each [..., slots] (its first rows; 0 for an unused slot).
 
-    The top `slots` clusters come from `lax.top_k` (no cluster beyond them can be taken: each takes a block);
-    the block indexing is `pallas_kernels.cluster_to_block_index`: the Pallas kernel (kernel "pallas" /
-    "interpret", per device shard under a mesh) or its reference.
+    The top `slots` clusters come from `lax.top_k` (no cluster beyond them can be taken: each takes a block).
+    With `first`, the top `first` only, when they already fill the tokens or the slots of every problem (then
+    nothing ranked below them is taken: the same result), else the top `slots` (`lax.cond`): on XLA:CPU a top_k
+    costs about its k (32 rows of 416 scores: 0.50 ms for k=80, 0.24 ms for k=32). The block indexing is
+    `pallas_kernels.cluster_to_block_index`: the Pallas kernel (kernel "pallas" / "interpret", per device shard
+    under a mesh) or its reference.
     """
     scores = jnp.where(sizes > 0, scores, -jnp.inf)
-    top = top_k_indices(scores, min(slots, scores.shape[-1]))  # [..., c] best first
-    ranked_sizes = jnp.take_along_axis(sizes, top, axis=-1)
-    ranked_starts = jnp.take_along_axis(block_start, top, axis=-1)
-    if kernel == "reference":
-        return cluster_to_block_index_reference(ranked_sizes, ranked_starts, tokens, slots, block_size)
-    run = functools.partial(cluster_to_block_index, tokens=tokens, slots=slots, block_size=block_size,
-                            interpret=kernel == "interpret")
-    return per_shard(lambda s, st: run(s, st), ranked_sizes, ranked_starts)
+
+    def ranked(k):  # [..., k] best first
+        top = top_k_indices(scores, k)
+        return jnp.take_along_axis(sizes, top, axis=-1), jnp.take_along_axis(block_start, top, axis=-1)
+
+    def index(ranked_sizes, ranked_starts):
+        if kernel == "reference":
+            return cluster_to_block_index_reference(ranked_sizes, ranked_starts, tokens, slots, block_size)
+        run = functools.partial(cluster_to_block_index, tokens=tokens, slots=slots, block_size=block_size,
+                                interpret=kernel == "interpret")
+        return per_shard(lambda s, st: run(s, st), ranked_sizes, ranked_starts)
+
+    every = min(slots, scores.shape[-1])
+    if first is None or first >= every:
+        return index(*ranked(every))
+    top_sizes, top_starts = ranked(first)
+    fills = ((jnp.sum(top_sizes, axis=-1) >= tokens)
+             | (jnp.sum(-(-top_sizes // block_size), axis=-1) >= slots))
+    return jax.lax.cond(jnp.all(fills), lambda: index(top_sizes, top_starts), lambda: index(*ranked(every)))
 
 
 def _layout_rows(labels, sizes, block_start, block_size: int, num_clusters: int):
@@ -126,6 +141,8 @@ class ClusterKV(KVPolicy):
     #: "auto" (Pallas kernels on CUDA sm80+, pure JAX elsewhere), "pallas", "reference", or "interpret"
     #: (the Pallas kernels in interpret mode, on any device: slow, for tests).
     kernels: str = "auto"
+    #: The window is store rows [0, decode_interval) (`token_rows`).
+    ring_window = True
 
     def __post_init__(self):
         if self.sinks < 0:
@@ -351,8 +368,11 @@ class ClusterKV(KVPolicy):
         scores = self._scores(state, q)  # [B, K, g, C]
         K, g = scores.shape[1], scores.shape[2]
         ranked = lambda x: jnp.broadcast_to(x[:, :, None], scores.shape)  # noqa: E731
-        blocks, rows = rank_and_index(scores, ranked(state.sizes), ranked(state.block_start),
-                                      self.budget - self.sinks, Mb, bs, kernel=self.kernel)  # [B, K, g, Mb]
+        tokens = self.budget - self.sinks
+        # Usually ~tokens / tokens_per_cluster clusters fill the budget: rank twice that many first.
+        first = 2 * -(-tokens // self.tokens_per_cluster) + 4
+        blocks, rows = rank_and_index(scores, ranked(state.sizes), ranked(state.block_start), tokens, Mb, bs,
+                                      kernel=self.kernel, first=first)  # [B, K, g, Mb]
         offsets = jnp.arange(bs, dtype=jnp.int32)
         mask = offsets < rows[..., None]  # [B, K, g, Mb, bs]
         # The sinks: positions i * bs + r of sink block i, while inside the prompt (and the sequence).
