@@ -18,39 +18,67 @@ def _softmax_weighted_sum(scores: jax.Array, mask: jax.Array, values: jax.Array,
     return jnp.einsum(spec, probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, query_block: int = 512) -> jax.Array:
-    """q [B, T, N, H], k and v [B, T, K, H] -> causal attention output [B, T, N, H] (float32).
+def causal_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """q [B, T, N, H], k and v [B, T, K, H] -> causal attention [B, T, N, H] (float32): the whole [T, T] score
+    matrix, masked. For tests and short prompts."""
+    B, T, N, H = q.shape
+    K = k.shape[2]
+    qg = q.reshape(B, T, K, N // K, H)
+    scores = jnp.einsum("BQKGH,BTKH->BKGQT", qg, k, preferred_element_type=jnp.float32) / (H ** 0.5)
+    mask = jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]  # [Q, T]
+    return _softmax_weighted_sum(scores, mask, v, "BKGQT,BTKH->BQKGH").reshape(B, T, N, H)
 
-    Long prompts are processed `query_block` queries at a time so the score tensor stays [B, K, G, block, T].
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block: int = 512) -> jax.Array:
+    """q [B, T, N, H], k and v [B, T, K, H] -> causal attention output [B, T, N, H] (float32), flash style.
+
+    Queries and keys in blocks of `block` (T padded to whole blocks): query block i visits key blocks 0..i only,
+    with an online softmax, so the work is the causal half of the [T, T] scores and no more than a
+    [B, K, G * block, block] score tile exists at once. Padded keys lie after every real query, so causality
+    masks them; the padded queries' outputs are dropped. Right-padded ragged prompts need nothing more.
+    Equal to `causal_attention_reference` up to float rounding.
     """
     B, T, N, H = q.shape
     K = k.shape[2]
     G = N // K
+    if T <= block:
+        return causal_attention_reference(q, k, v)
+    n = -(-T // block)
+    pad = ((0, 0), (0, n * block - T), (0, 0), (0, 0))
     scale = 1.0 / (H ** 0.5)
-    # [B, T, K, G, H]
-    qg = q.reshape(B, T, K, G, H)
-    key_pos = jnp.arange(T)
+    # Head-major, so a block of keys is one contiguous slice per head, and a query block's G heads form one
+    # [G * block, H] matrix: q [n, B, K, G * block, H], k and v [B, K, n * block, H].
+    qb = jnp.pad(q, pad).reshape(B, n, block, K, G, H).transpose(1, 0, 3, 4, 2, 5).reshape(n, B, K, G * block, H)
+    kh, vh = (jnp.pad(x, pad).transpose(0, 2, 1, 3) for x in (k, v))
+    offsets = jnp.arange(block, dtype=jnp.int32)
+    causal = jnp.tile(offsets[:, None] >= offsets[None, :], (G, 1))  # [G * block, block] inside the diagonal
 
-    def block(q_blk: jax.Array, start: jax.Array) -> jax.Array:
-        # q_blk [B, Q, K, G, H] -> scores [B, K, G, Q, T]
-        scores = jnp.einsum("BQKGH,BTKH->BKGQT", q_blk, k, preferred_element_type=jnp.float32) * scale
-        query_pos = start + jnp.arange(q_blk.shape[1])
-        mask = key_pos[None, :] <= query_pos[:, None]  # [Q, T]
-        return _softmax_weighted_sum(scores, mask, v, "BKGQT,BTKH->BQKGH")
+    def query_block(args):
+        i, q_i = args  # q_i [B, K, G * block, H]
+        q_i = q_i.astype(jnp.float32) * scale
 
-    if T <= query_block:
-        out = block(qg, jnp.int32(0))
-    else:
-        # Pad the queries to whole blocks (the padded queries' outputs are dropped), so any T keeps the
-        # score tensor at [B, K, G, block, T].
-        n_blocks = -(-T // query_block)
-        qg = jnp.pad(qg, ((0, 0), (0, n_blocks * query_block - T), (0, 0), (0, 0), (0, 0)))
-        # [n_blocks, B, Q, K, G, H]
-        q_blocks = jnp.moveaxis(qg.reshape(B, n_blocks, query_block, K, G, H), 1, 0)
-        starts = jnp.arange(n_blocks, dtype=jnp.int32) * query_block
-        out = jax.lax.map(lambda args: block(*args), (q_blocks, starts))
-        out = jnp.moveaxis(out, 0, 1).reshape(B, n_blocks * query_block, K, G, H)[:, :T]
-    return out.reshape(B, T, N, H)
+        def key_block(j, carry):
+            m, l, acc = carry  # [B, K, G * block] running max and sum, [B, K, G * block, H] weighted values
+            k_j = jax.lax.dynamic_slice_in_dim(kh, j * block, block, axis=2)  # [B, K, block, H]
+            v_j = jax.lax.dynamic_slice_in_dim(vh, j * block, block, axis=2)
+            s = jnp.einsum("BKQH,BKTH->BKQT", q_i.astype(k_j.dtype), k_j, preferred_element_type=jnp.float32)
+            s = jnp.where((j < i) | causal, s, NEG_INF)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            p = jnp.exp(s - m_new[..., None])
+            correction = jnp.exp(m - m_new)
+            l = l * correction + jnp.sum(p, axis=-1)
+            acc = acc * correction[..., None] + jnp.einsum("BKQT,BKTH->BKQH", p.astype(v_j.dtype), v_j,
+                                                           preferred_element_type=jnp.float32)
+            return m_new, l, acc
+
+        init = (jnp.full((B, K, G * block), NEG_INF, jnp.float32), jnp.zeros((B, K, G * block), jnp.float32),
+                jnp.zeros((B, K, G * block, H), jnp.float32))
+        _, l, acc = jax.lax.fori_loop(0, i + 1, key_block, init)
+        return acc / l[..., None]
+
+    out = jax.lax.map(query_block, (jnp.arange(n, dtype=jnp.int32), qb))  # [n, B, K, G * block, H]
+    out = out.reshape(n, B, K, G, block, H).transpose(1, 0, 4, 2, 3, 5).reshape(B, n * block, N, H)
+    return out[:, :T]
 
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array) -> jax.Array:

@@ -26,7 +26,7 @@ from clusterkv_jax.config import ModelConfig
 Params = dict[str, Any]
 
 # Queries per block in prefill attention: bounds the [B, N, block, T] score tensor for long prompts.
-PREFILL_QUERY_BLOCK = 512
+PREFILL_BLOCK = 512
 
 
 def param_shapes(config: ModelConfig) -> Params:
@@ -203,7 +203,7 @@ def forward_prefill(
             k_rows = jnp.swapaxes(k, 1, 2).astype(store.k.dtype)
             v_rows = jnp.swapaxes(v, 1, 2).astype(store.v.dtype)
             stored = write_prompt_layer(policy, group, store, state, i, k_rows, v_rows, lengths, S)
-            return attention.causal_attention(q, k, v, query_block=PREFILL_QUERY_BLOCK), stored
+            return attention.causal_attention(q, k, v, block=PREFILL_BLOCK), stored
 
         x, (store, state) = _layer(layer, config, x, positions, inv_freq, attend)
         return x, store, state

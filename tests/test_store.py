@@ -128,15 +128,15 @@ def test_kv_bytes_count_what_each_placement_holds():
     assert host["device"] >= ring + recall and host["device"] < ring + recall + 4096  # plus ids and counters
 
 
-@pytest.mark.parametrize("T, block", [(300, 512), (700, 256), (1024, 256), (513, 512)])
+@pytest.mark.parametrize("T, block", [(300, 512), (700, 256), (1024, 256), (513, 512), (1, 64), (65, 64)])
 def test_causal_attention_at_any_length(T, block):
     """Equal to NumPy softmax attention for prompts shorter than a block, a whole number of blocks, and not;
-    and never a [T, T] score tensor when the prompt spans several blocks."""
+    and, when the prompt spans several blocks, only [G * block, block] score tiles (never [T, T])."""
     rng = np.random.default_rng(T)
     Bq, N, Kh, Hd = 2, 4, 2, 8
     q = rng.normal(size=(Bq, T, N, Hd)).astype(np.float32)
     k, v = rng.normal(size=(2, Bq, T, Kh, Hd)).astype(np.float32)
-    got = np.asarray(causal_attention(q, k, v, query_block=block))
+    got = np.asarray(causal_attention(q, k, v, block=block))
     G = N // Kh
     scores = np.einsum("btnh,bsnh->bnts", q, np.repeat(k, G, axis=2)) / np.sqrt(Hd)
     scores = np.where(np.tril(np.ones((T, T), bool)), scores, -np.inf)
@@ -144,10 +144,10 @@ def test_causal_attention_at_any_length(T, block):
     want = np.einsum("bnts,bsnh->btnh", p / p.sum(-1, keepdims=True), np.repeat(v, G, axis=2))
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
     if T > block:
-        jaxpr = jax.make_jaxpr(lambda q, k, v: causal_attention(q, k, v, query_block=block))(q, k, v)
+        jaxpr = jax.make_jaxpr(lambda q, k, v: causal_attention(q, k, v, block=block))(q, k, v)
         shapes = list(_shapes(jaxpr.jaxpr))
-        assert any(s[-2:] == (block, T) for s in shapes), "the per-block score tensor"
-        assert not any(s[-2:] == (T, T) for s in shapes), "a [T, T] score tensor"
+        assert any(s[-2:] == (G * block, block) for s in shapes), "the score tile"
+        assert not any(len(s) >= 2 and s[-1] >= T and s[-2] >= block for s in shapes), "a score row over all keys"
 
 
 def _shapes(jaxpr):
