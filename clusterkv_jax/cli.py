@@ -142,13 +142,19 @@ def _add_policy_flags(parser) -> None:
     """The per-policy options every eval and bench command takes (read back by `_policy_options`)."""
     parser.add_argument("--gqa", choices=["per_head", "shared"], default="per_head", help="ClusterKV's GQA mode")
     parser.add_argument("--init", choices=["random", "kmeans++"], default="random", help="ClusterKV's K-means init")
+    parser.add_argument("--kmeans-tol", type=float, default=None, metavar="F",
+                        help="ClusterKV: K-means stops once at most this fraction of keys changed cluster "
+                             "(default: ClusterKV's)")
     parser.add_argument("--quest-sinks", type=int, default=0, metavar="N",
                         help="Quest: always select the pages of the first N tokens (0: none, as in the Quest paper)")
 
 
 def _policy_options(args) -> dict:
     """Per-policy constructor options from the flags of `_add_policy_flags`."""
-    return {"clusterkv": dict(gqa=args.gqa, init=args.init), "quest": dict(sinks=args.quest_sinks)}
+    clusterkv = dict(gqa=args.gqa, init=args.init)
+    if args.kmeans_tol is not None:
+        clusterkv["kmeans_tol"] = args.kmeans_tol
+    return {"clusterkv": clusterkv, "quest": dict(sinks=args.quest_sinks)}
 
 
 def _finish(results, args, name, tables, title, fmt="{:.3f}") -> int:

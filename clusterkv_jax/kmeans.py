@@ -68,7 +68,7 @@ def cluster_mask(num_clusters: jax.Array, C: int) -> jax.Array:
     return jnp.arange(C) < num_clusters[..., None]
 
 
-@functools.partial(jax.jit, static_argnames=("max_iters", "kernel"))
+@functools.partial(jax.jit, static_argnames=("max_iters", "kernel", "tol"))
 def kmeans_from_directions(
     keys: jax.Array,  # [P, N, H]
     valid: jax.Array,  # [P, N] bool
@@ -76,8 +76,10 @@ def kmeans_from_directions(
     init_directions: jax.Array,  # [P, C, H]
     max_iters: int = 20,
     kernel: str = "reference",
+    tol: float = 0.0,
 ) -> KMeansResult:
-    """Lloyd iterations under cosine similarity from given initial cluster directions."""
+    """Lloyd iterations under cosine similarity from given initial cluster directions, until at most a fraction
+    `tol` of every problem's valid keys changed cluster in the last iteration (0: none changed), or `max_iters`."""
     C = init_directions.shape[-2]
     x = keys.astype(jnp.float32)
     unit = _normalize(x)
@@ -90,15 +92,19 @@ def kmeans_from_directions(
         # An emptied cluster keeps its previous direction, so it stays a valid (finite) centroid.
         return jnp.where(counts[..., None] > 0, _normalize(sums), directions)
 
+    # Keys that may still move in a settled problem (at least 0: with tol=0, settled means no key moved).
+    allowed = jnp.floor(tol * jnp.sum(valid, axis=-1))  # [P]
+
     def cond(state):
-        it, _, _, changed = state
-        return changed & (it < max_iters)
+        it, _, _, unsettled = state
+        return unsettled & (it < max_iters)
 
     def body(state):
         it, labels, directions, _ = state
         directions = update(labels, directions)
         new_labels = _assign(unit, valid, directions, ok)
-        return it + 1, new_labels, directions, jnp.any(new_labels != labels)
+        moved = jnp.sum(new_labels != labels, axis=-1)  # [P]
+        return it + 1, new_labels, directions, jnp.any(moved > allowed)
 
     it, labels, directions, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), labels, directions, jnp.bool_(True)))
     sums, counts = _member_sums(labels, x, C, kernel)
@@ -145,7 +151,7 @@ def problem_keys(seed_key: jax.Array, P: int) -> jax.Array:
     return jax.vmap(lambda i: jax.random.fold_in(seed_key, i))(jnp.arange(P))
 
 
-@functools.partial(jax.jit, static_argnames=("max_clusters", "max_iters", "init", "kernel"))
+@functools.partial(jax.jit, static_argnames=("max_clusters", "max_iters", "init", "kernel", "tol"))
 def cosine_kmeans(
     keys: jax.Array,  # [P, N, H]
     valid: jax.Array,  # [P, N] bool
@@ -156,15 +162,17 @@ def cosine_kmeans(
     max_iters: int = 20,
     init: str = "random",
     kernel: str = "reference",
+    tol: float = 0.0,
 ) -> KMeansResult:
-    """Cosine K-means of each problem's valid keys into num_clusters[p] clusters (slots beyond stay empty)."""
+    """Cosine K-means of each problem's valid keys into num_clusters[p] clusters (slots beyond stay empty),
+    iterated until at most a fraction `tol` of each problem's keys moves (see `kmeans_from_directions`)."""
     if init == "random":
         directions = init_random(keys, valid, max_clusters, rngs)
     elif init == "kmeans++":
         directions = init_kmeans_plus_plus(keys, valid, max_clusters, rngs)
     else:
         raise ValueError(f"unknown init {init!r}; use 'random' or 'kmeans++'")
-    return kmeans_from_directions(keys, valid, num_clusters, directions, max_iters=max_iters, kernel=kernel)
+    return kmeans_from_directions(keys, valid, num_clusters, directions, max_iters=max_iters, kernel=kernel, tol=tol)
 
 
 def cosine_objective(keys: jax.Array, valid: jax.Array, labels: jax.Array, directions: jax.Array) -> jax.Array:

@@ -115,3 +115,33 @@ def test_random_init_picks_distinct_valid_keys():
     for p in range(3):
         rows = [np.flatnonzero((keys[p] == s).all(-1))[0] for s in seeds[p]]
         assert len(set(rows)) == 20 and all(valid[p, r] for r in rows)
+
+
+@pytest.mark.parametrize("tol", [0.01, 0.03, 0.1])
+def test_tolerance_stops_once_every_problem_has_settled(tol):
+    """Lloyd steps of all problems together until, in the last step, at most floor(tol * valid keys) keys of
+    every problem changed cluster: the labels and the number of steps of a NumPy loop of that rule."""
+    keys, valid = _problems(P=3, N=400, seed=5)
+    C, max_iters = 12, 30
+    num = np.full(3, C, np.int32)
+    init = np.asarray(init_random(jnp.asarray(keys), jnp.asarray(valid), C, problem_keys(jax.random.PRNGKey(1), 3)))
+    got = kmeans_from_directions(jnp.asarray(keys), jnp.asarray(valid), jnp.asarray(num), jnp.asarray(init),
+                                 max_iters=max_iters, tol=tol)
+    unit = keys / np.linalg.norm(keys, axis=-1, keepdims=True)
+    d = init / np.linalg.norm(init, axis=-1, keepdims=True)
+    labels = np.where(valid, np.einsum("pnh,pch->pnc", unit, d).argmax(-1), C)
+    steps = 0
+    while steps < max_iters:
+        for p in range(3):
+            for c in range(C):
+                if (labels[p] == c).any():
+                    s = unit[p][labels[p] == c].sum(0)
+                    d[p, c] = s / np.linalg.norm(s)
+        new = np.where(valid, np.einsum("pnh,pch->pnc", unit, d).argmax(-1), C)
+        moved = (new != labels).sum(-1)
+        labels, steps = new, steps + 1
+        if np.all(moved <= np.floor(tol * valid.sum(-1))):
+            break
+    assert int(got.iterations) == steps
+    assert 1 < steps < max_iters  # the rule, not the cap, ended the loop
+    np.testing.assert_array_equal(np.asarray(got.labels), labels)
