@@ -151,9 +151,52 @@ class DecodeLoop:
     key: jax.Array  # PRNG key for the next sample
 
 
-@functools.partial(
-    jax.jit, static_argnames=("config", "policy", "max_new_tokens", "capacity", "cache_dtype", "sharding")
-)
+def _start(params, tokens, lengths, sampling: Sampling, key, eos_ids, pad_id, *, config: ModelConfig,
+           policy: KVPolicy, max_new_tokens: int, capacity: int, cache_dtype: Any, sharding=None) -> DecodeLoop:
+    """Prefill and the first sampled token: the decode loop's starting state."""
+    B = tokens.shape[0]
+    pin = functools.partial(_pin_cache, config=config, policy=policy, sharding=sharding)
+    cache = pin(init_cache(config, policy, B, capacity, cache_dtype))
+    logits, cache = forward_prefill(params, config, policy, tokens, lengths, cache)
+    key, sub = jax.random.split(key)
+    first = sample_tokens(logits, sampling, sub)
+    return DecodeLoop(step=jnp.int32(1), last=first, cache=pin(cache),
+                      out=jnp.full((B, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first),
+                      done=jnp.isin(first, eos_ids), counts=jnp.ones((B,), jnp.int32), key=key)
+
+
+def _decode(params, loop: DecodeLoop, sampling: Sampling, eos_ids, pad_id, *, config: ModelConfig,
+            policy: KVPolicy, max_new_tokens: int, sharding=None) -> DecodeLoop:
+    """Decode steps until `max_new_tokens` tokens or every sequence's EOS."""
+    pin = functools.partial(_pin_cache, config=config, policy=policy, sharding=sharding)
+
+    def keep_going(loop: DecodeLoop):
+        return (loop.step < max_new_tokens) & ~jnp.all(loop.done)
+
+    def step_fn(loop: DecodeLoop) -> DecodeLoop:
+        logits, cache = forward_decode(params, config, policy, loop.last, loop.cache)
+        key, sub = jax.random.split(loop.key)
+        nxt = jnp.where(loop.done, pad_id, sample_tokens(logits, sampling, sub))
+        return DecodeLoop(step=loop.step + 1, last=nxt, cache=pin(cache),
+                          out=jax.lax.dynamic_update_slice(loop.out, nxt[:, None], (0, loop.step)),
+                          done=loop.done | jnp.isin(nxt, eos_ids), counts=loop.counts + (~loop.done).astype(jnp.int32),
+                          key=key)
+
+    loop = jax.lax.while_loop(keep_going, step_fn, loop)
+    return loop.replace(cache=pin(loop.cache))
+
+
+_START_STATIC = ("config", "policy", "max_new_tokens", "capacity", "cache_dtype", "sharding")
+_DECODE_STATIC = ("config", "policy", "max_new_tokens", "sharding")
+
+#: Prefill and the first token, one compiled program: (params, tokens, lengths, sampling, key, eos_ids, pad_id)
+#: -> DecodeLoop. `generate` runs it and `decode_generation` as two programs to time prefill and decode apart.
+start_generation = jax.jit(_in_mesh_scope(_start), static_argnames=_START_STATIC)
+#: The decode loop from a `start_generation` state (donated): (params, loop, sampling, eos_ids, pad_id) -> DecodeLoop.
+decode_generation = jax.jit(_in_mesh_scope(_decode), static_argnames=_DECODE_STATIC, donate_argnames=("loop",))
+
+
+@functools.partial(jax.jit, static_argnames=_START_STATIC)
 @_in_mesh_scope
 def generate_ids(
     params,
@@ -175,30 +218,11 @@ def generate_ids(
     padded with pad_id after each sequence's EOS, generated counts [B] including the EOS, final cache).
     With `sharding` (`clusterkv_jax.sharding.ShardingRules`) the cache is created and kept in its mesh
     layout throughout (batch on "data", KV heads on "model")."""
-    B = tokens.shape[0]
-    pin = functools.partial(_pin_cache, config=config, policy=policy, sharding=sharding)
-    cache = pin(init_cache(config, policy, B, capacity, cache_dtype))
-    logits, cache = forward_prefill(params, config, policy, tokens, lengths, cache)
-    key, sub = jax.random.split(key)
-    first = sample_tokens(logits, sampling, sub)
-    loop = DecodeLoop(step=jnp.int32(1), last=first, cache=pin(cache),
-                      out=jnp.full((B, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first),
-                      done=jnp.isin(first, eos_ids), counts=jnp.ones((B,), jnp.int32), key=key)
-
-    def keep_going(loop: DecodeLoop):
-        return (loop.step < max_new_tokens) & ~jnp.all(loop.done)
-
-    def step_fn(loop: DecodeLoop) -> DecodeLoop:
-        logits, cache = forward_decode(params, config, policy, loop.last, loop.cache)
-        key, sub = jax.random.split(loop.key)
-        nxt = jnp.where(loop.done, pad_id, sample_tokens(logits, sampling, sub))
-        return DecodeLoop(step=loop.step + 1, last=nxt, cache=pin(cache),
-                          out=jax.lax.dynamic_update_slice(loop.out, nxt[:, None], (0, loop.step)),
-                          done=loop.done | jnp.isin(nxt, eos_ids), counts=loop.counts + (~loop.done).astype(jnp.int32),
-                          key=key)
-
-    loop = jax.lax.while_loop(keep_going, step_fn, loop)
-    return loop.out, loop.counts, pin(loop.cache)
+    loop = _start(params, tokens, lengths, sampling, key, eos_ids, pad_id, config=config, policy=policy,
+                  max_new_tokens=max_new_tokens, capacity=capacity, cache_dtype=cache_dtype, sharding=sharding)
+    loop = _decode(params, loop, sampling, eos_ids, pad_id, config=config, policy=policy,
+                   max_new_tokens=max_new_tokens, sharding=sharding)
+    return loop.out, loop.counts, loop.cache
 
 
 def _placed_params(model, rules):
@@ -220,12 +244,21 @@ class GenerationResult:
     tokens: list[list[int]]  # generated ids per prompt, EOS included when one was produced
     texts: list[str] | None  # decoded without special tokens (None without a tokenizer)
     prompt_lengths: list[int]
-    seconds: float  # wall time of the whole call, compile included on a first call
+    seconds: float  # wall time of prefill and decode (compile included when `compiled`)
     cache: KVCache | None = None
+    prefill_seconds: float = 0.0  # prefill and the first token (`start_generation`), until its result was ready
+    decode_seconds: float = 0.0  # the decode loop (`decode_generation`), until its tokens were on the host
+    compiled: bool = False  # this call compiled a program (its time is in prefill_ / decode_seconds)
 
     @property
     def num_generated(self) -> int:
         return sum(len(t) for t in self.tokens)
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens the decode loop produced (all but each sequence's first) per second of `decode_seconds`."""
+        decoded = sum(max(len(t) - 1, 0) for t in self.tokens)
+        return decoded / self.decode_seconds if decoded and self.decode_seconds > 0 else float("nan")
 
 
 def _as_token_batch(model, prompts, chat: bool, add_special_tokens: bool) -> tuple[list[list[int]], bool]:
@@ -326,20 +359,26 @@ def generate(
     if cache_dtype is None:
         cache_dtype = jax.tree_util.tree_leaves(model.params)[0].dtype
 
+    compiles_before = start_generation._cache_size() + decode_generation._cache_size()
     start = time.perf_counter()
-    out, counts, cache = generate_ids(
-        params, tokens_in, lengths_in, sampling, jax.random.PRNGKey(seed),
-        jnp.asarray(eos_ids), jnp.int32(pad_id),
-        config=config, policy=policy, max_new_tokens=max_new_tokens,
-        capacity=cache_capacity(bucket, max_new_tokens), cache_dtype=jnp.dtype(cache_dtype), sharding=rules,
+    loop = start_generation(
+        params, tokens_in, lengths_in, sampling, jax.random.PRNGKey(seed), jnp.asarray(eos_ids), jnp.int32(pad_id),
+        config=config, policy=policy, max_new_tokens=max_new_tokens, capacity=cache_capacity(bucket, max_new_tokens),
+        cache_dtype=jnp.dtype(cache_dtype), sharding=rules,
     )
-    out, counts = np.asarray(out), np.asarray(counts)
-    seconds = time.perf_counter() - start
+    jax.block_until_ready(loop)
+    prefilled = time.perf_counter()
+    loop = decode_generation(params, loop, sampling, jnp.asarray(eos_ids), jnp.int32(pad_id), config=config,
+                             policy=policy, max_new_tokens=max_new_tokens, sharding=rules)
+    out, counts, cache = np.asarray(loop.out), np.asarray(loop.counts), loop.cache
+    end = time.perf_counter()
+    compiled = start_generation._cache_size() + decode_generation._cache_size() > compiles_before
     generated = [out[i, : counts[i]].tolist() for i in range(n_prompts)]
     texts = None
     if model.tokenizer is not None:
         texts = [model.tokenizer.decode(g) for g in generated]
     return GenerationResult(
-        tokens=generated, texts=texts, prompt_lengths=lengths[:n_prompts].tolist(), seconds=seconds,
-        cache=cache if return_cache else None,
+        tokens=generated, texts=texts, prompt_lengths=lengths[:n_prompts].tolist(), seconds=end - start,
+        cache=cache if return_cache else None, prefill_seconds=prefilled - start, decode_seconds=end - prefilled,
+        compiled=compiled,
     )

@@ -66,3 +66,10 @@ def tiny_hf_checkpoint(kind: str, tmp_path, dtype: str = "float32"):
     with pytest.warns(UserWarning, match="no tokenizer.json"):  # a bare random model has no tokenizer
         convert_hf(src, dst, dtype=dtype)
     return hf_model, dst
+
+
+def generation_programs() -> int:
+    """Programs `generate` has compiled so far (prefill + first token, and the decode loop)."""
+    from clusterkv_jax.generate import decode_generation, start_generation
+
+    return start_generation._cache_size() + decode_generation._cache_size()

@@ -17,10 +17,11 @@ import pytest
 
 from clusterkv_jax.cache import KVCache, init_cache
 from clusterkv_jax.config import ModelConfig
-from clusterkv_jax.generate import decode_step, generate, generate_ids, prefill
+from clusterkv_jax.generate import decode_step, generate, prefill
 from clusterkv_jax.loading import Model
 from clusterkv_jax.model import init_params
 from clusterkv_jax.policies import FullKV, OracleTopK, Quest, StreamingLLM
+from tests.helpers import generation_programs
 
 CONFIG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
                      num_kv_heads=2, head_dim=16)
@@ -282,12 +283,12 @@ def test_quest_pages_generated_tokens_every_page_size_steps():
                                     OracleTopK(budget=24, full_layers=1)], ids=lambda p: type(p).__name__)
 def test_generate_compiles_once(policy):
     model = Model(CONFIG, params(), tokenizer=None)
-    before = generate_ids._cache_size()
+    before = generation_programs()
     first = generate(model, [PROMPTS[0, :50].tolist(), PROMPTS[1, :37].tolist()], max_new_tokens=12,
                      policy=policy)
     second = generate(model, [PROMPTS[2, :23].tolist(), PROMPTS[0, :41].tolist()], max_new_tokens=12,
                       policy=policy)
-    assert generate_ids._cache_size() - before == 1  # same (batch, bucket, max_new_tokens, policy)
+    assert generation_programs() - before == 2  # same (batch, bucket, max_new_tokens, policy)
     for result in (first, second):
         assert [len(t) for t in result.tokens] == [12, 12]
         assert all(0 <= tok < CONFIG.vocab_size for t in result.tokens for tok in t)

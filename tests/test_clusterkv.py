@@ -11,11 +11,12 @@ from hypothesis import strategies as st
 
 from clusterkv_jax.cache import init_cache
 from clusterkv_jax.config import ModelConfig
-from clusterkv_jax.generate import decode_step, generate, generate_ids, prefill
+from clusterkv_jax.generate import Sampling, decode_step, generate, generate_ids, prefill
 from clusterkv_jax.loading import Model
 from clusterkv_jax.model import init_params
 from clusterkv_jax.policies import FullKV
 from clusterkv_jax.policies.clusterkv import ClusterKV, rank_and_index
+from tests.helpers import generation_programs
 
 CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
                   num_kv_heads=2, head_dim=16)
@@ -168,11 +169,32 @@ def test_ragged_batch_equals_each_sequence_alone():
 def test_generate_with_clusterkv_compiles_once():
     model = Model(CFG, PARAMS, tokenizer=None)
     policy = ClusterKV(budget=32, **SMALL)
-    before = generate_ids._cache_size()
+    before = generation_programs()
     a = generate(model, [TOKENS[0, :100].tolist(), TOKENS[1, :70].tolist()], 40, policy=policy, stop_at_eos=False)
     b = generate(model, [TOKENS[2, :90].tolist(), TOKENS[0, :60].tolist()], 40, policy=policy, stop_at_eos=False)
-    assert generate_ids._cache_size() - before == 1
+    assert generation_programs() - before == 2
     assert all(len(t) == 40 for t in a.tokens + b.tokens)
+
+
+def test_generate_times_prefill_and_decode_apart_with_the_tokens_of_one_program():
+    """`generate` runs prefill and decode as two programs, timed apart: the same tokens as `generate_ids` (one
+    program), and prefill + decode seconds make up the call's seconds."""
+    from clusterkv_jax.generate import bucket_length, cache_capacity
+
+    model = Model(CFG, PARAMS, tokenizer=None)
+    policy = ClusterKV(budget=32, **SMALL)
+    prompts = [TOKENS[0, :100].tolist(), TOKENS[1, :70].tolist()]
+    result = generate(model, prompts, 24, policy=policy, stop_at_eos=False)
+    tokens = np.zeros((2, bucket_length(100)), np.int32)
+    tokens[0, :100], tokens[1, :70] = prompts
+    out, counts, _ = generate_ids(PARAMS, jnp.asarray(tokens), jnp.array([100, 70]), Sampling.make(),
+                                  jax.random.PRNGKey(0), jnp.zeros((0,), jnp.int32), jnp.int32(0), config=CFG,
+                                  policy=policy, max_new_tokens=24, capacity=cache_capacity(bucket_length(100), 24),
+                                  cache_dtype=jnp.dtype(jnp.float32))
+    assert result.tokens == np.asarray(out).tolist()
+    assert result.prefill_seconds > 0 and result.decode_seconds > 0
+    assert abs(result.prefill_seconds + result.decode_seconds - result.seconds) < 1e-6
+    assert result.decode_tokens_per_second == pytest.approx(2 * 23 / result.decode_seconds)
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from clusterkv_jax import generate, load_model, sample_tokens
-from clusterkv_jax.generate import Sampling, generate_ids
-from tests.helpers import long_text_ids
+from clusterkv_jax.generate import Sampling
+from tests.helpers import generation_programs, long_text_ids
 
 
 @pytest.fixture(scope="module")
@@ -62,11 +62,11 @@ def test_generate_stops_each_sequence_at_eos(smollm2):
 
 
 def test_generate_compiles_once_per_bucket(smollm2):
-    before = generate_ids._cache_size()
+    before = generation_programs()
     for n, temperature, seed in ((20, 0.0, 0), (33, 0.7, 1), (50, 1.0, 2)):
         generate(smollm2, long_text_ids(smollm2.tokenizer, n), max_new_tokens=8, temperature=temperature,
                  top_k=5, top_p=0.9, seed=seed)
-    assert generate_ids._cache_size() - before == 1
+    assert generation_programs() - before == 2
 
 
 def test_text_and_chat_prompts(smollm2):
@@ -149,3 +149,23 @@ def test_bad_generate_input_is_refused(smollm2):
     no_tok = dataclasses.replace(smollm2, tokenizer=None)
     with pytest.raises(ValueError, match="tokenizer"):
         generate(no_tok, "hi", max_new_tokens=2)
+
+
+def test_cli_generate_runs_each_policy_and_times_prefill_and_decode(smollm2, smollm2_converted_dir, capsys):
+    """`clusterkv generate --policy P --budget N`: ClusterKV with a budget over the prompt writes full KV's text;
+    a budget under it runs the method (here other text, or the same); both report prefill s and decode tokens/s.
+    A policy that cannot offload is refused with exit 2."""
+    from clusterkv_jax.cli import main
+
+    prompt = smollm2.tokenizer.decode(long_text_ids(smollm2.tokenizer, 400))
+    base = ["generate", "--model", smollm2_converted_dir, "--prompt", prompt, "--max-new-tokens", "6"]
+    texts = {}
+    for name, flags in (("full", []), ("clusterkv-all", ["--policy", "clusterkv", "--budget", "4096"]),
+                        ("clusterkv", ["--policy", "clusterkv", "--budget", "64", "--kmeans-tol", "0"])):
+        assert main(base + flags) == 0
+        out, err = capsys.readouterr()
+        texts[name] = out
+        assert "prefill of" in err and "tokens/s" in err, err
+    assert texts["clusterkv-all"] == texts["full"]
+    assert main(base + ["--policy", "streaming", "--offload"]) == 2
+    assert "--offload works with" in capsys.readouterr().err
