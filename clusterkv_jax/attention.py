@@ -38,23 +38,35 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block: int = 5
     masks them; the padded queries' outputs are dropped. Right-padded ragged prompts need nothing more.
     Equal to `causal_attention_reference` up to float rounding.
     """
-    B, T, N, H = q.shape
-    K = k.shape[2]
-    G = N // K
+    T = q.shape[1]
     if T <= block:
         return causal_attention_reference(q, k, v)
+    # Head-major keys, so a block of keys is one contiguous slice per head.
+    return causal_attention_over_rows(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), jnp.int32(0), block=block)
+
+
+def causal_attention_over_rows(q: jax.Array, k_rows: jax.Array, v_rows: jax.Array, q_start: jax.Array, *,
+                               block: int = 512) -> jax.Array:
+    """Queries q [B, T, N, H] at positions q_start + [0, T) over keys and values k_rows, v_rows [B, K, S, H] at
+    positions [0, S) (a layer's store rows: chunked prefill attends to the cache so far), causal ->
+    [B, T, N, H] (float32). q_start must be a multiple of `block`; the flash loop of `causal_attention`, whose
+    query block i (absolute) visits key blocks 0..i."""
+    B, T, N, H = q.shape
+    K, S = k_rows.shape[1], k_rows.shape[2]
+    G = N // K
     n = -(-T // block)
-    pad = ((0, 0), (0, n * block - T), (0, 0), (0, 0))
     scale = 1.0 / (H ** 0.5)
-    # Head-major, so a block of keys is one contiguous slice per head, and a query block's G heads form one
-    # [G * block, H] matrix: q [n, B, K, G * block, H], k and v [B, K, n * block, H].
-    qb = jnp.pad(q, pad).reshape(B, n, block, K, G, H).transpose(1, 0, 3, 4, 2, 5).reshape(n, B, K, G * block, H)
-    kh, vh = (jnp.pad(x, pad).transpose(0, 2, 1, 3) for x in (k, v))
+    # A query block's G heads form one [G * block, H] matrix: q [n, B, K, G * block, H].
+    q = jnp.pad(q, ((0, 0), (0, n * block - T), (0, 0), (0, 0)))
+    qb = q.reshape(B, n, block, K, G, H).transpose(1, 0, 3, 4, 2, 5).reshape(n, B, K, G * block, H)
+    # Keys padded to whole blocks (the padding lies after every real query: the caller has q_start + T <= S).
+    kh, vh = (jnp.pad(x, ((0, 0), (0, 0), (0, -S % block), (0, 0))) for x in (k_rows, v_rows))
     offsets = jnp.arange(block, dtype=jnp.int32)
     causal = jnp.tile(offsets[:, None] >= offsets[None, :], (G, 1))  # [G * block, block] inside the diagonal
+    first = q_start // block
 
     def query_block(args):
-        i, q_i = args  # q_i [B, K, G * block, H]
+        i, q_i = args  # i: absolute block index; q_i [B, K, G * block, H]
         q_i = q_i.astype(jnp.float32) * scale
 
         def key_block(j, carry):
@@ -76,7 +88,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block: int = 5
         _, l, acc = jax.lax.fori_loop(0, i + 1, key_block, init)
         return acc / l[..., None]
 
-    out = jax.lax.map(query_block, (jnp.arange(n, dtype=jnp.int32), qb))  # [n, B, K, G * block, H]
+    out = jax.lax.map(query_block, (first + jnp.arange(n, dtype=jnp.int32), qb))  # [n, B, K, G * block, H]
     out = out.reshape(n, B, K, G, block, H).transpose(1, 0, 4, 2, 3, 5).reshape(B, n * block, N, H)
     return out[:, :T]
 

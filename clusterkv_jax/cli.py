@@ -92,7 +92,7 @@ def cmd_generate(args) -> int:
     model = load_model(args.model, dtype=args.dtype)
     result = generate(model, prompt, args.max_new_tokens, policy=policy, chat=args.chat,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                      mesh=args.mesh)
+                      mesh=args.mesh, prefill_chunk=args.prefill_chunk)
     print(result.texts[0] if result.texts else result.tokens[0])
     label = "full KV" if args.policy == "full" else f"{args.policy} B={args.budget}"
     print(f"{label}{' (offloaded)' if args.offload else ''}: {result.num_generated} tokens; prefill of {result.prompt_lengths[0]} tokens "
@@ -426,6 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV policy (default: full KV)")
     g.add_argument("--budget", type=int, default=1024, help="tokens attended per step (clusterkv, quest, streaming)")
     g.add_argument("--offload", action="store_true", help="keep the KV in host memory (full, clusterkv, quest)")
+    g.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="prefill long prompts N tokens at a time (a multiple of 512): bounded activation memory")
     _add_policy_flags(g)
     g.set_defaults(func=cmd_generate)
 

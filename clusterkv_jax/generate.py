@@ -20,7 +20,7 @@ import numpy as np
 from clusterkv_jax import sharding as sh
 from clusterkv_jax.cache import KVCache, init_cache
 from clusterkv_jax.config import ModelConfig
-from clusterkv_jax.model import forward_decode, forward_prefill
+from clusterkv_jax.model import PREFILL_BLOCK, forward_decode, forward_prefill
 from clusterkv_jax.ops import sharded_trace
 from clusterkv_jax.policies import FullKV, KVPolicy
 
@@ -54,16 +54,17 @@ def _pin_cache(cache: KVCache, config: ModelConfig, policy: KVPolicy, sharding) 
     return sh.constrain_cache(cache, shardings)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "policy", "all_logits", "sharding"),
+@functools.partial(jax.jit, static_argnames=("config", "policy", "all_logits", "sharding", "chunk"),
                    donate_argnames=("cache",))
 @_in_mesh_scope
 def prefill(params, tokens, lengths, cache: KVCache, *, config: ModelConfig, policy: KVPolicy,
-            all_logits: bool = False, sharding=None):
+            all_logits: bool = False, sharding=None, chunk: int | None = None):
     """tokens [B, T] right-padded, lengths [B] -> (logits [B, V] at each last prompt token, or [B, T, V]
     with `all_logits`; the filled cache). The input cache is donated. `sharding`: the
     `clusterkv_jax.sharding.ShardingRules` of a sharded cache (from `init_cache_sharded`), kept on return."""
     cache = _pin_cache(cache, config, policy, sharding)
-    logits, cache = forward_prefill(params, config, policy, tokens, lengths, cache, all_logits=all_logits)
+    logits, cache = forward_prefill(params, config, policy, tokens, lengths, cache, all_logits=all_logits,
+                                    chunk=chunk)
     return logits, _pin_cache(cache, config, policy, sharding)
 
 
@@ -152,12 +153,14 @@ class DecodeLoop:
 
 
 def _start(params, tokens, lengths, sampling: Sampling, key, eos_ids, pad_id, *, config: ModelConfig,
-           policy: KVPolicy, max_new_tokens: int, capacity: int, cache_dtype: Any, sharding=None) -> DecodeLoop:
-    """Prefill and the first sampled token: the decode loop's starting state."""
+           policy: KVPolicy, max_new_tokens: int, capacity: int, cache_dtype: Any, sharding=None,
+           prefill_chunk: int | None = None) -> DecodeLoop:
+    """Prefill (in chunks of `prefill_chunk` tokens, if given) and the first sampled token: the decode loop's
+    starting state."""
     B = tokens.shape[0]
     pin = functools.partial(_pin_cache, config=config, policy=policy, sharding=sharding)
     cache = pin(init_cache(config, policy, B, capacity, cache_dtype))
-    logits, cache = forward_prefill(params, config, policy, tokens, lengths, cache)
+    logits, cache = forward_prefill(params, config, policy, tokens, lengths, cache, chunk=prefill_chunk)
     key, sub = jax.random.split(key)
     first = sample_tokens(logits, sampling, sub)
     return DecodeLoop(step=jnp.int32(1), last=first, cache=pin(cache),
@@ -186,7 +189,7 @@ def _decode(params, loop: DecodeLoop, sampling: Sampling, eos_ids, pad_id, *, co
     return loop.replace(cache=pin(loop.cache))
 
 
-_START_STATIC = ("config", "policy", "max_new_tokens", "capacity", "cache_dtype", "sharding")
+_START_STATIC = ("config", "policy", "max_new_tokens", "capacity", "cache_dtype", "sharding", "prefill_chunk")
 _DECODE_STATIC = ("config", "policy", "max_new_tokens", "sharding")
 
 #: Prefill and the first token, one compiled program: (params, tokens, lengths, sampling, key, eos_ids, pad_id)
@@ -213,13 +216,15 @@ def generate_ids(
     capacity: int,
     cache_dtype: Any,
     sharding=None,
+    prefill_chunk: int | None = None,
 ):
     """Prefill and decode up to `max_new_tokens` in one compiled program. Returns (tokens [B, max_new_tokens]
     padded with pad_id after each sequence's EOS, generated counts [B] including the EOS, final cache).
     With `sharding` (`clusterkv_jax.sharding.ShardingRules`) the cache is created and kept in its mesh
     layout throughout (batch on "data", KV heads on "model")."""
     loop = _start(params, tokens, lengths, sampling, key, eos_ids, pad_id, config=config, policy=policy,
-                  max_new_tokens=max_new_tokens, capacity=capacity, cache_dtype=cache_dtype, sharding=sharding)
+                  max_new_tokens=max_new_tokens, capacity=capacity, cache_dtype=cache_dtype, sharding=sharding,
+                  prefill_chunk=prefill_chunk)
     loop = _decode(params, loop, sampling, eos_ids, pad_id, config=config, policy=policy,
                    max_new_tokens=max_new_tokens, sharding=sharding)
     return loop.out, loop.counts, loop.cache
@@ -308,6 +313,7 @@ def generate(
     cache_dtype: Any = None,
     return_cache: bool = False,
     mesh: Any = None,
+    prefill_chunk: int | None = None,
 ) -> GenerationResult:
     """Generates continuations for a prompt or a batch of prompts of different lengths.
 
@@ -321,6 +327,9 @@ def generate(
     are the same as without a mesh. Parameters are placed once and kept on `model` for later calls (or
     pass a model whose params came from `shard_params`). A batch that does not divide "data" is padded with
     copies of the first prompt; those rows are dropped from the results but stay in `cache`.
+
+    `prefill_chunk` (a multiple of 512) runs prompts longer than it in chunks of that many tokens, each attending
+    to the cache so far: peak activation memory follows the chunk, not the prompt; the tokens are the same.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -337,6 +346,13 @@ def generate(
         )
     sampling = Sampling.make(temperature, top_k, top_p)
     bucket = bucket_length(longest)
+    if prefill_chunk is not None:
+        if prefill_chunk <= 0 or prefill_chunk % PREFILL_BLOCK:
+            raise ValueError(f"prefill_chunk must be a positive multiple of {PREFILL_BLOCK}, got {prefill_chunk}")
+        if bucket > prefill_chunk:
+            bucket = -(-bucket // prefill_chunk) * prefill_chunk  # whole chunks
+        else:
+            prefill_chunk = None  # one chunk: the unchunked program
     n_prompts = len(ids)
     rules, params = None, model.params
     if mesh is not None:
@@ -364,7 +380,7 @@ def generate(
     loop = start_generation(
         params, tokens_in, lengths_in, sampling, jax.random.PRNGKey(seed), jnp.asarray(eos_ids), jnp.int32(pad_id),
         config=config, policy=policy, max_new_tokens=max_new_tokens, capacity=cache_capacity(bucket, max_new_tokens),
-        cache_dtype=jnp.dtype(cache_dtype), sharding=rules,
+        cache_dtype=jnp.dtype(cache_dtype), sharding=rules, prefill_chunk=prefill_chunk,
     )
     jax.block_until_ready(loop)
     prefilled = time.perf_counter()

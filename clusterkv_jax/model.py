@@ -188,27 +188,35 @@ def forward_prefill(
     cache: KVCache,
     *,
     all_logits: bool = False,
+    chunk: int | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Runs the prompts from an empty cache. Returns logits [B, V] at each last prompt token (or [B, T, V]
-    at every position when `all_logits`) and the cache holding the prompt KV and the policy's state."""
+    at every position when `all_logits`) and the cache holding the prompt KV and the policy's state.
+
+    With `chunk` (a multiple of PREFILL_BLOCK dividing T), the prompt runs `chunk` tokens at a time (`lax.scan`),
+    each chunk attending to the cache so far, so activations are bounded by the chunk, not the prompt (see
+    `_prefill_chunks`); the logits and the cache equal the unchunked ones up to float rounding."""
     B, T = tokens.shape
     S = cache.capacity
     assert T <= S, f"prompt bucket {T} exceeds cache capacity {S}"
-    inv_freq = rope_inv_freq(config)
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    if chunk is not None and chunk < T:
+        x, groups = _prefill_chunks(params, config, policy, tokens, lengths, cache, chunk)
+    else:
+        inv_freq = rope_inv_freq(config)
+        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
 
-    def step(group, layer, i, x, store, state):
-        def attend(q, k, v):
-            # [B, K, T, H] rows 0..T of this layer, in the store's dtype.
-            k_rows = jnp.swapaxes(k, 1, 2).astype(store.k.dtype)
-            v_rows = jnp.swapaxes(v, 1, 2).astype(store.v.dtype)
-            stored = write_prompt_layer(policy, group, store, state, i, k_rows, v_rows, lengths, S)
-            return attention.causal_attention(q, k, v, block=PREFILL_BLOCK), stored
+        def step(group, layer, i, x, store, state):
+            def attend(q, k, v):
+                # [B, K, T, H] rows 0..T of this layer, in the store's dtype.
+                k_rows = jnp.swapaxes(k, 1, 2).astype(store.k.dtype)
+                v_rows = jnp.swapaxes(v, 1, 2).astype(store.v.dtype)
+                stored = write_prompt_layer(policy, group, store, state, i, k_rows, v_rows, lengths, S)
+                return attention.causal_attention(q, k, v, block=PREFILL_BLOCK), stored
 
-        x, (store, state) = _layer(layer, config, x, positions, inv_freq, attend)
-        return x, store, state
+            x, (store, state) = _layer(layer, config, x, positions, inv_freq, attend)
+            return x, store, state
 
-    x, groups = _scan_groups(params, cache.groups, params["embed"][tokens], step)
+        x, groups = _scan_groups(params, cache.groups, params["embed"][tokens], step)
     if all_logits:
         logits = _logits(params, config, x)
     else:
@@ -216,6 +224,54 @@ def forward_prefill(
         logits = _logits(params, config, last)
     lengths = lengths.astype(jnp.int32)
     return logits, cache.replace(groups=groups, lengths=lengths, prompt_lengths=lengths)
+
+
+def _prefill_chunks(params, config, policy, tokens, lengths, cache: KVCache, chunk: int):
+    """Chunked prefill: every chunk writes its K/V to rows [start, start + chunk) of each layer's store (position
+    order, in the cache's dtype) and attends to rows [0, T) causally (later rows are masked or still empty);
+    then the selecting layers are indexed and laid out from their stored prompt rows, as an unchunked prefill
+    does. Returns the last hidden states [B, T, D] and the groups."""
+    B, T = tokens.shape
+    if chunk % PREFILL_BLOCK or T % chunk:
+        raise ValueError(f"prefill chunk {chunk} must be a multiple of {PREFILL_BLOCK} that divides the prompt "
+                         f"bucket {T}")
+    inv_freq = rope_inv_freq(config)
+
+    def run_chunk(groups, c):
+        start = c * chunk
+        positions = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
+
+        def step(group, layer, i, x, store, state):
+            def attend(q, k, v):
+                written = store.write_prompt(i, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), start=start)
+                view = written.layer(i)
+                out = attention.causal_attention_over_rows(q, view.keys()[:, :, :T], view.values()[:, :, :T],
+                                                           start, block=PREFILL_BLOCK)
+                return out, written
+
+            x, store = _layer(layer, config, x, positions, inv_freq, attend)
+            return x, store, state
+
+        x = params["embed"][jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1)]
+        x, groups = _scan_groups(params, groups, x, step)
+        return groups, x
+
+    groups, xs = jax.lax.scan(run_chunk, cache.groups, jnp.arange(T // chunk, dtype=jnp.int32))
+    x = jnp.moveaxis(xs, 0, 1).reshape(B, T, -1)  # [n, B, chunk, D] -> [B, T, D]
+
+    def index(group, store, state):  # the selecting layers: what write_prompt_layer does after a layer's K/V
+        if not group.selecting:
+            return store, state
+
+        def body(store, xs):
+            i, state = xs
+            view = store.layer(i)
+            return write_prompt_layer(policy, group, store, state, i, view.keys()[:, :, :T],
+                                      view.values()[:, :, :T], lengths, cache.capacity)
+
+        return jax.lax.scan(body, store, (jnp.arange(group.num_layers, dtype=jnp.int32), state))
+
+    return x, tuple(g.replace(**dict(zip(("store", "state"), index(g, g.store, g.state)))) for g in groups)
 
 
 def forward_decode(

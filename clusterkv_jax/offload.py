@@ -144,14 +144,16 @@ class HostKV(KVStore):
             store = store.replace(recall=RecallCache.create(layers, selection_shape, cache_steps, head_dim, dtype))
         return store
 
-    def write_prompt(self, layer, k, v) -> "HostKV":
-        def write(store, rows, at):
-            return jax.lax.dynamic_update_slice(store, rows, (at, 0, 0, 0, 0))
+    def write_prompt(self, layer, k, v, start=0) -> "HostKV":
+        def write(store, rows, at, row):
+            return jax.lax.dynamic_update_slice(store, rows, (at, 0, 0, row, 0))
 
-        k_h, v_h, at = to_host(k[None].astype(self.k.dtype)), to_host(v[None].astype(self.v.dtype)), to_host(layer)
-        return self.replace(k=_on_host(write, self.k, k_h, at), v=_on_host(write, self.v, v_h, at))
+        k_h, v_h = to_host(k[None].astype(self.k.dtype)), to_host(v[None].astype(self.v.dtype))
+        at, row = to_host(jnp.asarray(layer, jnp.int32)), to_host(jnp.asarray(start, jnp.int32))
+        return self.replace(k=_on_host(write, self.k, k_h, at, row), v=_on_host(write, self.v, v_h, at, row))
 
-    write_layer = write_prompt  # the same write, of all R rows
+    def write_layer(self, layer, k, v) -> "HostKV":
+        return self.write_prompt(layer, k, v)  # the same write, of all R rows
 
     def write_rows(self, index, k, v) -> "HostKV":
         """Host rows at index [B, K, m, 2] (from row_index) <- k, v [B, K, m, H] (out of range: dropped)."""

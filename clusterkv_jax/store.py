@@ -11,7 +11,7 @@ placements implement the protocol:
 
 The protocol (`layer` is the layer's index inside the group, a traced int):
 
-    store.write_prompt(layer, k, v)             k, v [B, K, T, H] become rows [0, T)
+    store.write_prompt(layer, k, v, start=0)    k, v [B, K, T, H] become rows [start, start + T) (start traced)
     store.write_layer(layer, k, v)              k, v [B, K, R, H] become every row of the layer
     store.write_token(layer, rows, k, v)        k, v [B, K, H] become row rows[b] of sequence b (out of range:
                                                 dropped)
@@ -119,12 +119,13 @@ class DeviceKV(KVStore):
         shape = (layers, batch, kv_heads, capacity, head_dim)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
-    def write_prompt(self, layer, k, v) -> "DeviceKV":
-        start = (layer, 0, 0, 0, 0)
-        return self.replace(k=jax.lax.dynamic_update_slice(self.k, k[None].astype(self.k.dtype), start),
-                            v=jax.lax.dynamic_update_slice(self.v, v[None].astype(self.v.dtype), start))
+    def write_prompt(self, layer, k, v, start=0) -> "DeviceKV":
+        at = (layer, 0, 0, start, 0)
+        return self.replace(k=jax.lax.dynamic_update_slice(self.k, k[None].astype(self.k.dtype), at),
+                            v=jax.lax.dynamic_update_slice(self.v, v[None].astype(self.v.dtype), at))
 
-    write_layer = write_prompt  # the same write, of all R rows
+    def write_layer(self, layer, k, v) -> "DeviceKV":
+        return self.write_prompt(layer, k, v)  # the same write, of all R rows
 
     def write_rows(self, index, k, v) -> "DeviceKV":
         """Rows at index [B, K, m, 2] (from `row_index`) <- k, v [B, K, m, H] (out of range: dropped). B and K are

@@ -317,3 +317,37 @@ def test_ring_window_mask_marks_the_slots_holding_the_window(W, start, count, ca
     want = np.array([r in last and last[r] >= start for r in range(W)])
     got = np.asarray(ring_window_mask(jnp.array([length]), jnp.array([start]), W, capacity))[0]
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("policy", [FullKV(), ClusterKV(budget=64, **SMALL), ClusterKV(budget=64, offload=True, **SMALL)],
+                         ids=["full", "clusterkv", "clusterkv-offload"])
+def test_chunked_prefill_equals_unchunked(policy):
+    """Prefill in chunks of 512 tokens, each attending to the cache so far: the same logits (at every position),
+    stored K/V and policy index as one pass over the 2,048-token prompts (ragged: 2,048 and 1,300)."""
+    tokens = np.random.default_rng(7).integers(0, CFG.vocab_size, (2, 2048))
+    lengths = jnp.array([2048, 1300])
+
+    def run_prefill(chunk):
+        cache = init_cache(CFG, policy, 2, 2112, jnp.float32)
+        return prefill(PARAMS, jnp.asarray(tokens), lengths, cache, config=CFG, policy=policy, all_logits=True,
+                       chunk=chunk)
+
+    (want, want_cache), (got, got_cache) = run_prefill(None), run_prefill(512)
+    valid = np.arange(2048)[None, :] < np.asarray(lengths)[:, None]
+    np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], atol=2e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(got_cache), jax.tree_util.tree_leaves(want_cache)):
+        if jnp.issubdtype(a.dtype, jnp.floating):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+        else:
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_generate_with_prefill_chunks_gives_the_same_tokens():
+    model = Model(CFG, PARAMS, tokenizer=None)
+    prompt = np.random.default_rng(8).integers(0, CFG.vocab_size, 1100).tolist()
+    policy = ClusterKV(budget=64, **SMALL)
+    whole = generate(model, prompt, 12, policy=policy, stop_at_eos=False, max_length=4096)
+    chunked = generate(model, prompt, 12, policy=policy, stop_at_eos=False, max_length=4096, prefill_chunk=512)
+    assert chunked.tokens == whole.tokens
+    with pytest.raises(ValueError, match="multiple of 512"):
+        generate(model, prompt, 4, policy=policy, max_length=4096, prefill_chunk=300)
