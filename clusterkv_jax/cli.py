@@ -156,6 +156,8 @@ def _add_policy_flags(parser) -> None:
     parser.add_argument("--kmeans-tol", type=float, default=None, metavar="F",
                         help="ClusterKV: K-means stops once at most this fraction of keys changed cluster "
                              "(default: ClusterKV's)")
+    parser.add_argument("--kmeans-iters", type=int, default=None, metavar="N",
+                        help="ClusterKV: K-means iterations at most (default: ClusterKV's max_iters)")
     parser.add_argument("--quest-sinks", type=int, default=0, metavar="N",
                         help="Quest: always select the pages of the first N tokens (0: none, as in the Quest paper)")
 
@@ -165,6 +167,8 @@ def _policy_options(args) -> dict:
     clusterkv = dict(gqa=args.gqa, init=args.init)
     if args.kmeans_tol is not None:
         clusterkv["kmeans_tol"] = args.kmeans_tol
+    if args.kmeans_iters is not None:
+        clusterkv["max_iters"] = args.kmeans_iters
     return {"clusterkv": clusterkv, "quest": dict(sinks=args.quest_sinks)}
 
 

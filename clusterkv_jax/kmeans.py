@@ -78,8 +78,9 @@ def kmeans_from_directions(
     kernel: str = "reference",
     tol: float = 0.0,
 ) -> KMeansResult:
-    """Lloyd iterations under cosine similarity from given initial cluster directions, until at most a fraction
-    `tol` of every problem's valid keys changed cluster in the last iteration (0: none changed), or `max_iters`."""
+    """Lloyd iterations under cosine similarity from given initial cluster directions. Each problem stops (and
+    keeps its labels and directions) once at most a fraction `tol` of its valid keys changed cluster in an
+    iteration (0: none changed), or at `max_iters`; `iterations` is the most any problem ran."""
     C = init_directions.shape[-2]
     x = keys.astype(jnp.float32)
     unit = _normalize(x)
@@ -92,21 +93,26 @@ def kmeans_from_directions(
         # An emptied cluster keeps its previous direction, so it stays a valid (finite) centroid.
         return jnp.where(counts[..., None] > 0, _normalize(sums), directions)
 
-    # Keys that may still move in a settled problem (at least 0: with tol=0, settled means no key moved).
+    # Keys that may still move in a settled problem (with tol=0, settled means no key moved).
     allowed = jnp.floor(tol * jnp.sum(valid, axis=-1))  # [P]
 
     def cond(state):
-        it, _, _, unsettled = state
-        return unsettled & (it < max_iters)
+        it, _, _, active = state
+        return jnp.any(active) & (it < max_iters)
 
     def body(state):
-        it, labels, directions, _ = state
-        directions = update(labels, directions)
-        new_labels = _assign(unit, valid, directions, ok)
+        # A settled problem is frozen, so each problem's result is the same whatever problems run beside it
+        # (a sequence clusters alike alone or in a batch); with tol=0 a settled problem is a fixed point anyway.
+        it, labels, directions, active = state
+        new_directions = update(labels, directions)
+        new_labels = _assign(unit, valid, new_directions, ok)
         moved = jnp.sum(new_labels != labels, axis=-1)  # [P]
-        return it + 1, new_labels, directions, jnp.any(moved > allowed)
+        directions = jnp.where(active[..., None, None], new_directions, directions)
+        labels = jnp.where(active[..., None], new_labels, labels)
+        return it + 1, labels, directions, active & (moved > allowed)
 
-    it, labels, directions, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), labels, directions, jnp.bool_(True)))
+    active = jnp.ones(valid.shape[:-1], bool)
+    it, labels, directions, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), labels, directions, active))
     sums, counts = _member_sums(labels, x, C, kernel)
     centroids = jnp.where(counts[..., None] > 0, sums / jnp.maximum(counts, 1)[..., None], directions)
     return KMeansResult(labels, centroids, counts.astype(jnp.int32), directions, it)

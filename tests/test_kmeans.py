@@ -118,30 +118,38 @@ def test_random_init_picks_distinct_valid_keys():
 
 
 @pytest.mark.parametrize("tol", [0.01, 0.03, 0.1])
-def test_tolerance_stops_once_every_problem_has_settled(tol):
-    """Lloyd steps of all problems together until, in the last step, at most floor(tol * valid keys) keys of
-    every problem changed cluster: the labels and the number of steps of a NumPy loop of that rule."""
+def test_tolerance_stops_each_problem_once_it_has_settled(tol):
+    """Each problem runs Lloyd steps until, in its last step, at most floor(tol * its valid keys) keys changed
+    cluster (then it is frozen, whatever the other problems do): the labels and step counts of a NumPy loop
+    per problem; and a problem gives the same result alone as in the batch."""
     keys, valid = _problems(P=3, N=400, seed=5)
     C, max_iters = 12, 30
     num = np.full(3, C, np.int32)
     init = np.asarray(init_random(jnp.asarray(keys), jnp.asarray(valid), C, problem_keys(jax.random.PRNGKey(1), 3)))
     got = kmeans_from_directions(jnp.asarray(keys), jnp.asarray(valid), jnp.asarray(num), jnp.asarray(init),
                                  max_iters=max_iters, tol=tol)
-    unit = keys / np.linalg.norm(keys, axis=-1, keepdims=True)
-    d = init / np.linalg.norm(init, axis=-1, keepdims=True)
-    labels = np.where(valid, np.einsum("pnh,pch->pnc", unit, d).argmax(-1), C)
-    steps = 0
-    while steps < max_iters:
-        for p in range(3):
+    steps_per_problem = []
+    for p in range(3):
+        unit = keys[p] / np.linalg.norm(keys[p], axis=-1, keepdims=True)
+        d = init[p] / np.linalg.norm(init[p], axis=-1, keepdims=True)
+        labels = np.where(valid[p], (unit @ d.T).argmax(-1), C)
+        steps = 0
+        while steps < max_iters:
             for c in range(C):
-                if (labels[p] == c).any():
-                    s = unit[p][labels[p] == c].sum(0)
-                    d[p, c] = s / np.linalg.norm(s)
-        new = np.where(valid, np.einsum("pnh,pch->pnc", unit, d).argmax(-1), C)
-        moved = (new != labels).sum(-1)
-        labels, steps = new, steps + 1
-        if np.all(moved <= np.floor(tol * valid.sum(-1))):
-            break
-    assert int(got.iterations) == steps
-    assert 1 < steps < max_iters  # the rule, not the cap, ended the loop
-    np.testing.assert_array_equal(np.asarray(got.labels), labels)
+                if (labels == c).any():
+                    s = unit[labels == c].sum(0)
+                    d[c] = s / np.linalg.norm(s)
+            new = np.where(valid[p], (unit @ d.T).argmax(-1), C)
+            moved = (new != labels).sum()
+            labels, steps = new, steps + 1
+            if moved <= np.floor(tol * valid[p].sum()):
+                break
+        steps_per_problem.append(steps)
+        np.testing.assert_array_equal(np.asarray(got.labels[p]), labels)
+        alone = kmeans_from_directions(jnp.asarray(keys[p:p + 1]), jnp.asarray(valid[p:p + 1]),
+                                       jnp.asarray(num[p:p + 1]), jnp.asarray(init[p:p + 1]),
+                                       max_iters=max_iters, tol=tol)
+        np.testing.assert_array_equal(np.asarray(alone.labels[0]), labels)
+        np.testing.assert_allclose(np.asarray(alone.centroids[0]), np.asarray(got.centroids[p]), atol=1e-6)
+    assert int(got.iterations) == max(steps_per_problem)
+    assert 1 < max(steps_per_problem) < max_iters  # the rule, not the cap, ended the loop
