@@ -95,7 +95,7 @@ class Sampling:
 
     @classmethod
     def make(cls, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> "Sampling":
-        if temperature < 0:
+        if not temperature >= 0:  # NaN too
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         if top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {top_k}")
@@ -331,6 +331,8 @@ def generate(
     `prefill_chunk` (a multiple of 512) runs prompts longer than it in chunks of that many tokens, each attending
     to the cache so far: peak activation memory follows the chunk, not the prompt; the tokens are the same.
     """
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
+        raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not isinstance(policy, KVPolicy):

@@ -351,3 +351,28 @@ def test_generate_with_prefill_chunks_gives_the_same_tokens():
     assert chunked.tokens == whole.tokens
     with pytest.raises(ValueError, match="multiple of 512"):
         generate(model, prompt, 4, policy=policy, max_length=4096, prefill_chunk=300)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: ClusterKV(budget=512.0), lambda: ClusterKV(tokens_per_cluster=1.5), lambda: ClusterKV(sinks=True),
+    lambda: ClusterKV(kmeans_tol=float("nan")), lambda: ClusterKV(max_iters="11"),
+])
+def test_policy_fields_of_the_wrong_type_are_refused(make):
+    """An int field given a float (or a bool, or a string) and a float field given NaN fail at construction with
+    the field's name, not deep inside JAX."""
+    with pytest.raises(TypeError, match=r"ClusterKV\.\w+ must be"):
+        make()
+
+
+def test_generate_refuses_nan_temperature_and_fractional_token_counts():
+    from clusterkv_jax.policies import Quest, StreamingLLM
+
+    model = Model(CFG, PARAMS, tokenizer=None)
+    with pytest.raises(ValueError, match="temperature"):
+        generate(model, [1, 2, 3], 4, temperature=float("nan"))
+    with pytest.raises(TypeError, match="max_new_tokens"):
+        generate(model, [1, 2, 3], 2.5)
+    with pytest.raises(TypeError, match=r"Quest\.budget"):
+        Quest(budget=64.0)
+    with pytest.raises(TypeError, match=r"StreamingLLM\.budget"):
+        StreamingLLM(budget=64.5)

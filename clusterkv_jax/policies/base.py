@@ -29,6 +29,9 @@ for one selection per KV head shared by its G query heads), M selected slots, W 
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from numbers import Integral, Real
 from typing import Any
 
 import jax
@@ -55,6 +58,19 @@ class KVPolicy:
     #: The window's tokens sit in store rows [0, W), row = position % W (see `token_rows`), so a step reads the
     #: window as one slice of the store (`view.ring`) instead of gathering its rows.
     ring_window: bool = False
+
+    def __post_init__(self):
+        """Checks that every field declared int holds an integer and every float field a finite number, so a
+        budget of 512.0 or a NaN tolerance is refused here instead of failing deep inside JAX. Subclasses that
+        check more call this first."""
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", "")
+            if kind == "int" and (isinstance(value, bool) or not isinstance(value, Integral)):
+                raise TypeError(f"{type(self).__name__}.{field.name} must be an int, got {value!r}")
+            if kind == "float" and (isinstance(value, bool) or not isinstance(value, Real)
+                                    or not math.isfinite(value)):
+                raise TypeError(f"{type(self).__name__}.{field.name} must be a finite number, got {value!r}")
 
     # ---- What the model, the offload path and the benchmarks need to know (static) ----------------------
 

@@ -150,6 +150,7 @@ class ClusterKV(KVPolicy):
     ring_window = True
 
     def __post_init__(self):
+        super().__post_init__()
         if self.sinks < 0:
             raise ValueError(f"sinks must be >= 0, got {self.sinks}")
         if self.budget < max(self.sinks, 1):

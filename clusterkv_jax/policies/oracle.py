@@ -33,6 +33,7 @@ class OracleTopK(StatelessPolicy):
     reads_all_keys = True  # it scores every prompt key at every step
 
     def __post_init__(self):
+        super().__post_init__()
         if self.budget <= 0:
             raise ValueError(f"budget must be > 0, got {self.budget}")
         if self.full_layers < 0:

@@ -62,6 +62,7 @@ class Quest(KVPolicy):
     cache_steps: int = 1
 
     def __post_init__(self):
+        super().__post_init__()
         if self.page_size <= 0:
             raise ValueError(f"page_size must be > 0, got {self.page_size}")
         if self.budget <= 0:

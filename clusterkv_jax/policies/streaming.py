@@ -30,6 +30,7 @@ class StreamingLLM(StatelessPolicy):
     full_layers: int = 2
 
     def __post_init__(self):
+        super().__post_init__()
         if self.budget <= 0:
             raise ValueError(f"budget must be > 0, got {self.budget}")
         if self.sinks < 0:
