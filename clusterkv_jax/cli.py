@@ -79,8 +79,6 @@ def cmd_generate(args) -> int:
                 raise ValueError(f"--offload works with --policy full, clusterkv or quest, not {args.policy}")
             options = dict(options, offload=True)
         policy = make_policy(args.policy, args.budget, **options)
-        if args.policy == "full" and args.offload:
-            policy = type(policy)(offload=True)
     except (TypeError, ValueError) as e:
         print(f"clusterkv generate: {e}", file=sys.stderr)
         return 2

@@ -259,19 +259,17 @@ def _prefill_chunks(params, config, policy, tokens, lengths, cache: KVCache, chu
     groups, xs = jax.lax.scan(run_chunk, cache.groups, jnp.arange(T // chunk, dtype=jnp.int32))
     x = jnp.moveaxis(xs, 0, 1).reshape(B, T, -1)  # [n, B, chunk, D] -> [B, T, D]
 
-    def index(group, store, state):  # the selecting layers: what write_prompt_layer does after a layer's K/V
-        if not group.selecting:
-            return store, state
-
+    def index(group):  # the selecting layers: what write_prompt_layer does after a layer's K/V
         def body(store, xs):
             i, state = xs
             view = store.layer(i)
             return write_prompt_layer(policy, group, store, state, i, view.keys()[:, :, :T],
                                       view.values()[:, :, :T], lengths, cache.capacity)
 
-        return jax.lax.scan(body, store, (jnp.arange(group.num_layers, dtype=jnp.int32), state))
+        store, state = jax.lax.scan(body, group.store, (jnp.arange(group.num_layers, dtype=jnp.int32), group.state))
+        return group.replace(store=store, state=state)
 
-    return x, tuple(g.replace(**dict(zip(("store", "state"), index(g, g.store, g.state)))) for g in groups)
+    return x, tuple(index(g) if g.selecting else g for g in groups)
 
 
 def forward_decode(

@@ -10,9 +10,9 @@ POLICY_CLASSES = {"clusterkv": ClusterKV, "quest": Quest, "streaming": Streaming
 
 
 def make_policy(name: str, budget: int, **options: Any) -> KVPolicy:
-    """The policy called `name` at `budget` tokens; `full` ignores the budget."""
+    """The policy called `name` at `budget` tokens; `full` ignores the budget and every option but `offload`."""
     if name == "full":
-        return FullKV()
+        return FullKV(offload=options.get("offload", False))
     if name not in POLICY_CLASSES:
         raise ValueError(f"unknown policy {name!r}; choose from full, {', '.join(POLICY_CLASSES)}")
     return POLICY_CLASSES[name](budget=budget, **options)
