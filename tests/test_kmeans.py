@@ -7,8 +7,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from clusterkv_jax.kmeans import cosine_kmeans, cosine_objective, init_random, kmeans_from_directions, problem_keys
+from clusterkv_jax.kmeans import _assign, cosine_kmeans, cosine_objective, init_random, kmeans_from_directions, problem_keys
+
+
+def numpy_assign(unit, valid, d, num_clusters):
+    """The documented assignment rule in NumPy (float64): each similarity scaled into [2, 4) as
+    0.9375 * cos + 3 and rounded to a grid of 2**(bits - 22), bits = ceil(log2 C); the highest grid value wins,
+    the lowest cluster on a tie; disallowed clusters (>= num_clusters) never win; masked keys get C."""
+    C = d.shape[0]
+    bits = max(1, (C - 1).bit_length())
+    grid = np.round((0.9375 * (unit.astype(np.float64) @ d.T.astype(np.float64)) + 3.0) / 2.0 ** (bits - 22))
+    grid[:, num_clusters:] = -np.inf
+    return np.where(valid, grid.argmax(-1), C)
 
 
 def numpy_cosine_kmeans(keys, valid, num_clusters, directions, max_iters):
@@ -18,9 +31,7 @@ def numpy_cosine_kmeans(keys, valid, num_clusters, directions, max_iters):
     C = d.shape[0]
 
     def assign(d):
-        sim = unit @ d.T
-        sim[:, num_clusters:] = -np.inf
-        return np.where(valid, sim.argmax(-1), C)
+        return numpy_assign(unit, valid, d, num_clusters)
 
     labels = assign(d)
     for _ in range(max_iters):
@@ -132,14 +143,14 @@ def test_tolerance_stops_each_problem_once_it_has_settled(tol):
     for p in range(3):
         unit = keys[p] / np.linalg.norm(keys[p], axis=-1, keepdims=True)
         d = init[p] / np.linalg.norm(init[p], axis=-1, keepdims=True)
-        labels = np.where(valid[p], (unit @ d.T).argmax(-1), C)
+        labels = numpy_assign(unit, valid[p], d, C)
         steps = 0
         while steps < max_iters:
             for c in range(C):
                 if (labels == c).any():
                     s = unit[labels == c].sum(0)
                     d[c] = s / np.linalg.norm(s)
-            new = np.where(valid[p], (unit @ d.T).argmax(-1), C)
+            new = numpy_assign(unit, valid[p], d, C)
             moved = (new != labels).sum()
             labels, steps = new, steps + 1
             if moved <= np.floor(tol * valid[p].sum()):
@@ -153,3 +164,62 @@ def test_tolerance_stops_each_problem_once_it_has_settled(tol):
         np.testing.assert_allclose(np.asarray(alone.centroids[0]), np.asarray(got.centroids[p]), atol=1e-6)
     assert int(got.iterations) == max(steps_per_problem)
     assert 1 < max(steps_per_problem) < max_iters  # the rule, not the cap, ended the loop
+
+
+@pytest.mark.parametrize("C", [1, 2, 7, 100, 128, 129, 4096, 4097])
+def test_assignment_picks_a_most_similar_allowed_cluster(C):
+    """The packed max of `_assign` against NumPy's exact argmax: the label is an allowed cluster, its cosine is
+    within one grid step (2**(bits-22) / 0.9375) of the best, and it is the argmax wherever the best leads the
+    runner-up by more than that. Keys equal to a direction (cos 1) or opposite to one (cos -1) included; past
+    2**12 clusters `_assign` falls back to an exact argmax."""
+    rng = np.random.default_rng(C)
+    P, N, H = 3, 400, 16
+    unit = rng.normal(size=(P, N, H))
+    unit /= np.linalg.norm(unit, axis=-1, keepdims=True)
+    d = rng.normal(size=(P, C, H))
+    d /= np.linalg.norm(d, axis=-1, keepdims=True)
+    unit[:, :2] = d[:, :1]  # cos 1 with cluster 0
+    unit[:, 2:4] = -d[:, :1]  # cos -1 with cluster 0
+    num = np.array([C, max(1, C // 2), 1])
+    ok = np.arange(C)[None] < num[:, None]
+    valid = rng.random((P, N)) < 0.9
+    got = np.asarray(_assign(jnp.asarray(unit, jnp.float32), jnp.asarray(valid), jnp.asarray(d, jnp.float32),
+                             jnp.asarray(ok)))
+    sim = np.where(ok[:, None, :], unit @ d.transpose(0, 2, 1), -np.inf)
+    step = 2.0 ** (max(1, (C - 1).bit_length()) - 22) / 0.9375 if C <= 4096 else 0.0
+    assert np.all(got[~valid] == C)
+    p_idx, n_idx = np.nonzero(valid)
+    label = got[p_idx, n_idx]
+    assert np.all(label < num[p_idx]), "a disallowed cluster won"
+    best = sim.max(-1)[p_idx, n_idx]
+    chosen = sim[p_idx, n_idx, label]
+    assert np.all(chosen >= best - step - 1e-6)
+    top2 = np.sort(sim, axis=-1)[..., -2:][p_idx, n_idx] if C > 1 else None
+    clear = (top2[:, 1] - top2[:, 0] > step + 1e-6) if C > 1 else np.ones_like(label, bool)
+    np.testing.assert_array_equal(label[clear], sim.argmax(-1)[p_idx, n_idx][clear])
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), C=st.integers(1, 9), nonfinite=st.sampled_from([np.nan, np.inf, -np.inf]))
+def test_kmeans_outputs_are_finite_wherever_the_counted_keys_are(seed, C, nonfinite):
+    """Random masks, NaN or inf in masked rows and in some valid rows, zero-norm keys: centroids and directions
+    stay finite, every finite valid key gets a cluster < its problem's count, and masked or non-finite keys
+    get none (label C) and count in no cluster's size."""
+    rng = np.random.default_rng(seed)
+    P, N, H = 3, 64, 8
+    keys = rng.normal(size=(P, N, H)).astype(np.float32)
+    valid = rng.random((P, N)) < rng.uniform(0.1, 1.0)
+    keys[rng.random((P, N)) < 0.2] = 0.0  # zero-norm keys
+    bad_masked = (~valid) & (rng.random((P, N)) < 0.5)
+    keys[bad_masked, rng.integers(0, H)] = nonfinite
+    bad_valid = valid & (rng.random((P, N)) < 0.1)
+    keys[bad_valid, 0] = nonfinite
+    num = rng.integers(1, C + 1, size=P).astype(np.int32)
+    r = cosine_kmeans(jnp.asarray(keys), jnp.asarray(valid), jnp.asarray(num), problem_keys(jax.random.PRNGKey(seed % 1000), P),
+                      max_clusters=C, max_iters=5)
+    assert np.all(np.isfinite(np.asarray(r.centroids))) and np.all(np.isfinite(np.asarray(r.directions)))
+    labels, sizes = np.asarray(r.labels), np.asarray(r.sizes)
+    counted = valid & np.all(np.isfinite(keys), axis=-1)
+    assert np.all(labels[~counted] == C)
+    assert np.all(labels[counted] < np.broadcast_to(num[:, None], (P, N))[counted])
+    np.testing.assert_array_equal(sizes.sum(-1), counted.sum(-1))
