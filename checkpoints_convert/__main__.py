@@ -22,14 +22,25 @@ def main(argv: list[str] | None = None) -> int:
     gguf.add_argument("dst", help="output directory (must not exist unless --overwrite)")
     gguf.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter dtype (default float32)")
     for command in (hf, gguf):
-        command.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+        command.add_argument(
+            "--overwrite", action="store_true", help="replace an existing output directory (an earlier conversion)"
+        )
+        command.add_argument("--debug", action="store_true", help="show the traceback of an error")
     args = parser.parse_args(argv)
 
     convert = convert_hf if args.format == "hf" else convert_gguf
     try:
         dst = convert(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite)
-    except (ValueError, FileNotFoundError, FileExistsError) as error:
-        print(f"error: {error}", file=sys.stderr)
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print("interrupted: nothing was written", file=sys.stderr)
+        return 130
+    except Exception as error:  # noqa: BLE001 -- one line for the user; --debug shows the traceback
+        if args.debug:
+            raise
+        known = isinstance(error, (ValueError, OSError))
+        print(f"error: {error}" if known else f"error ({type(error).__name__}): {error}", file=sys.stderr)
         return 1
     print(dst)
     return 0

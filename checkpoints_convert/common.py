@@ -10,7 +10,9 @@ import json
 import os
 import re
 import shutil
+import signal
 import tempfile
+import threading
 from typing import Any, Callable, Iterable
 
 import ml_dtypes
@@ -212,22 +214,121 @@ def resolve_dtype(dtype: Any) -> tuple[str, np.dtype]:
     return name, DTYPES[name]
 
 
-@contextlib.contextmanager
-def staging_dir(dst: str, overwrite: bool):
-    """Yields an empty temporary sibling of `dst`, renamed to `dst` when the block succeeds, deleted if it fails."""
-    if os.path.lexists(dst) and not overwrite:
+def check_destination(src: str, dst: str) -> None:
+    """Refuses a destination that is the source, lies inside it or contains it: publishing there would delete
+    the source (with --overwrite) or write into it."""
+    source, target = os.path.realpath(src), os.path.realpath(dst)
+    if target == source:
+        raise ValueError(f"destination {dst!r} is the source {src!r}; choose a new directory for the output")
+    if os.path.commonpath([source, target]) == source:
+        raise ValueError(f"destination {dst!r} lies inside the source {src!r}; choose a directory outside it")
+    if os.path.commonpath([source, target]) == target:
+        raise ValueError(f"destination {dst!r} contains the source {src!r}; choose a directory beside it")
+
+
+def is_converted_checkpoint(path: str) -> bool:
+    """A directory this package wrote: its config.json has a "clusterkv" entry."""
+    config = os.path.join(path, "config.json")
+    if os.path.islink(path) or not os.path.isdir(path) or not os.path.isfile(config):
+        return False
+    try:
+        return isinstance(read_json(config).get("clusterkv"), dict)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def check_output(src: str, dst: str, overwrite: bool) -> None:
+    """What a converter checks before reading anything: `dst` does not overlap `src`, and exists only if it may
+    be replaced (`overwrite`, and an earlier conversion or an empty directory)."""
+    check_destination(src, dst)
+    _check_replaceable(dst, overwrite)
+
+
+def _check_replaceable(dst: str, overwrite: bool) -> None:
+    if not os.path.lexists(dst):
+        return
+    if not overwrite:
         raise FileExistsError(f"destination {dst!r} already exists; pass overwrite=True (--overwrite) to replace it")
+    empty_dir = os.path.isdir(dst) and not os.path.islink(dst) and not os.listdir(dst)
+    if not (empty_dir or is_converted_checkpoint(dst)):
+        raise FileExistsError(
+            f"destination {dst!r} exists and is not a converted checkpoint (no config.json with a 'clusterkv' "
+            "entry): --overwrite only replaces an earlier conversion; remove it yourself or choose another path"
+        )
+
+
+def _staging_prefix(dst: str) -> str:
+    return f".{os.path.basename(dst)}.tmp-"
+
+
+def sweep_stale_staging(dst: str) -> list[str]:
+    """Deletes staging directories of `dst` (`.NAME.tmp-PID-*`, and `*.old` from publishing) left by a
+    conversion whose process no longer runs (killed, or the machine went down); returns what it deleted."""
+    parent, prefix = os.path.dirname(dst), _staging_prefix(dst)
+    pattern = re.compile(re.escape(prefix) + r"(\d+)-[^/]*")
+    removed = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        match = pattern.fullmatch(name)
+        path = os.path.join(parent, name)
+        if match and not _process_alive(int(match.group(1))) and os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True  # another user's process, or not a pid we can ask about: leave it alone
+    return True
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """SIGTERM raises SystemExit (instead of ending the process on the spot), so cleanup code runs. Only
+    where SIGTERM still has its default action (a caller's own handler is left alone), from the main thread."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def staging_dir(dst: str, overwrite: bool, src: str | None = None):
+    """Yields an empty temporary sibling of `dst`, renamed to `dst` when the block succeeds, deleted if it fails
+    or is interrupted (an exception, Ctrl-C, SIGTERM). Refuses a `dst` that overlaps `src`, or that exists and
+    is not an earlier conversion; first deletes staging directories that earlier, killed runs left."""
+    if src is not None:
+        check_destination(src, dst)
+    _check_replaceable(dst, overwrite)
     parent = os.path.dirname(dst)
     os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.tmp-", dir=parent)
-    try:
-        # mkdtemp makes the directory private (0700); a checkpoint should be readable like any other output.
-        os.chmod(staging, 0o755)
-        yield staging
-        _publish(staging, dst)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    sweep_stale_staging(dst)
+    with _sigterm_raises():
+        staging = tempfile.mkdtemp(prefix=f"{_staging_prefix(dst)}{os.getpid()}-", dir=parent)
+        try:
+            # mkdtemp makes the directory private (0700); a checkpoint should be readable like any other output.
+            os.chmod(staging, 0o755)
+            yield staging
+            _publish(staging, dst)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
 
 
 def _publish(staging: str, dst: str) -> None:
@@ -255,5 +356,12 @@ def write_json(path: str, obj: Any) -> None:
 
 
 def read_json(path: str) -> Any:
+    """A JSON object from `path`; a ValueError naming the file when it is not valid JSON or not an object."""
     with open(path, encoding="utf-8") as f:
-        return json.load(f)
+        try:
+            obj = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ValueError(f"{path!r} is not valid JSON: {error}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path!r} holds {type(obj).__name__} where a JSON object was expected")
+    return obj

@@ -8,7 +8,14 @@ from typing import Any
 
 import numpy as np
 
-from checkpoints_convert.common import TensorSource, build_params, resolve_dtype, staging_dir, write_json
+from checkpoints_convert.common import (
+    TensorSource,
+    build_params,
+    check_output,
+    resolve_dtype,
+    staging_dir,
+    write_json,
+)
 from clusterkv_jax import checkpoint as _checkpoint
 from clusterkv_jax.config import ModelConfig
 
@@ -106,7 +113,13 @@ class _GGUFSource(TensorSource):
             raise ValueError(
                 f"tensor {gguf_name!r} has GGUF type {tensor.tensor_type.name}, which gguf cannot dequantize"
             ) from None
-        weight = np.asarray(weight, np.float32).reshape(self.shape(name))
+        weight = np.asarray(weight, np.float32)
+        if weight.size != int(np.prod(self.shape(name))):
+            raise ValueError(
+                f"tensor {gguf_name!r} holds {weight.size} values where its header says {self.shape(name)}: "
+                "the GGUF file is truncated or corrupt"
+            )
+        weight = weight.reshape(self.shape(name))
         kind = gguf_name.split(".")[-2]
         if self._permuted and kind in self._heads:
             weight = _unpermute_rope_rows(weight, self._heads[kind])
@@ -396,16 +409,18 @@ def convert_gguf(
     dtype_name, np_dtype = resolve_dtype(dtype)
     if not os.path.isfile(src):
         raise FileNotFoundError(f"no GGUF file at {src!r}")
-    if os.path.lexists(dst) and not overwrite:
-        raise FileExistsError(f"destination {dst!r} already exists; pass overwrite=True (--overwrite) to replace it")
-    reader = gguf.GGUFReader(src)
+    check_output(src, dst, overwrite)
+    try:
+        reader = gguf.GGUFReader(src)
+    except (ValueError, IndexError, KeyError, OverflowError, TypeError) as error:
+        raise ValueError(f"{src!r} is not a readable GGUF file (truncated or corrupt?): {error}") from None
     meta = _GGUFMetadata(reader)
     tensor_names = {t.name for t in reader.tensors}
     hf_config = _gguf_hf_config(meta, tensor_names)
     config = ModelConfig.from_hf_dict(hf_config)
     tokenizer, tokenizer_config = _gguf_tokenizer(meta, hf_config)
 
-    with staging_dir(dst, overwrite) as staging:
+    with staging_dir(dst, overwrite, src) as staging:
         source = _GGUFSource(reader, config)
         params = build_params(source, config, np_dtype, desc="gguf tensors")
         out_config = dict(hf_config, clusterkv={"dtype": dtype_name, "source": src, "format": "gguf"})

@@ -10,7 +10,15 @@ from typing import Any
 
 import numpy as np
 
-from checkpoints_convert.common import TensorSource, build_params, read_json, resolve_dtype, staging_dir, write_json
+from checkpoints_convert.common import (
+    TensorSource,
+    build_params,
+    check_output,
+    read_json,
+    resolve_dtype,
+    staging_dir,
+    write_json,
+)
 from clusterkv_jax import checkpoint as _checkpoint
 from clusterkv_jax.config import ModelConfig
 
@@ -72,7 +80,12 @@ class _SafetensorsSource(TensorSource):
         for path in shard_paths:
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"safetensors shard {path!r} listed in the index does not exist")
-        self._files = {path: stack.enter_context(safe_open(path, framework="numpy")) for path in shard_paths}
+        self._files = {}
+        for path in shard_paths:
+            try:
+                self._files[path] = stack.enter_context(safe_open(path, framework="numpy"))
+            except Exception as error:  # SafetensorError, a Rust-side type: name the file instead
+                raise ValueError(f"{path!r} is not a readable safetensors file (truncated or corrupt?): {error}") from None
         if shard_of is None:
             shard_of = {name: single_path for name in self._files[single_path].keys()}
         for name, path in shard_of.items():
@@ -87,7 +100,11 @@ class _SafetensorsSource(TensorSource):
         return tuple(self._files[self._shard_of[name]].get_slice(name).get_shape())
 
     def read(self, name):
-        return self._files[self._shard_of[name]].get_tensor(name)
+        path = self._shard_of[name]
+        try:
+            return self._files[path].get_tensor(name)
+        except Exception as error:  # noqa: BLE001 -- SafetensorError and friends: name the tensor and the file
+            raise ValueError(f"cannot read tensor {name!r} from {path!r} (truncated or corrupt?): {error}") from None
 
 
 def convert_hf(src: str | os.PathLike, dst: str | os.PathLike, dtype: Any = "bfloat16", overwrite: bool = False) -> str:
@@ -95,6 +112,7 @@ def convert_hf(src: str | os.PathLike, dst: str | os.PathLike, dtype: Any = "bfl
     src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
     dtype_name, np_dtype = resolve_dtype(dtype)
     config_path = os.path.join(src, "config.json")
+    check_output(src, dst, overwrite)
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"no config.json in {src!r}: not an HF checkpoint directory")
     hf_config = read_json(config_path)
@@ -106,7 +124,7 @@ def convert_hf(src: str | os.PathLike, dst: str | os.PathLike, dtype: Any = "bfl
     if not os.path.isfile(os.path.join(src, "tokenizer.json")):
         warnings.warn(f"no tokenizer.json in {src!r}; the converted checkpoint will have no tokenizer", stacklevel=2)
 
-    with staging_dir(dst, overwrite) as staging, contextlib.ExitStack() as stack:
+    with staging_dir(dst, overwrite, src) as staging, contextlib.ExitStack() as stack:
         tensors = _SafetensorsSource(src, stack)
         params = build_params(tensors, config, np_dtype, desc="hf tensors")
         out_config = dict(hf_config, clusterkv={"dtype": dtype_name, "source": src, "format": "hf"})

@@ -113,8 +113,11 @@ def _layer_kv(cache: KVCache, layer: int):
     return view.keys(), view.values()
 
 
-def init_cache(config: ModelConfig, policy, batch_size: int, capacity: int, dtype=jnp.bfloat16) -> KVCache:
-    """An empty cache for `batch_size` sequences of up to `capacity` tokens each, laid out for `policy`."""
+def init_cache(config: ModelConfig, policy, batch_size: int, capacity: int, dtype=None) -> KVCache:
+    """An empty cache for `batch_size` sequences of up to `capacity` tokens each, laid out for `policy`. K/V
+    are stored in `dtype` (default float32, what attention computes in; pass the parameters' dtype to match
+    `generate`, or bfloat16 to halve the memory)."""
+    dtype = jnp.float32 if dtype is None else jnp.dtype(dtype)
     B, K, H = batch_size, config.num_kv_heads, config.head_dim
     groups = []
     for plan in layer_groups(config, policy):

@@ -6,7 +6,10 @@ directory these functions read and write.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
 from typing import Any
 
 import jax
@@ -21,11 +24,32 @@ def save_params(path: str | os.PathLike, params: Any) -> str:
     path = os.path.abspath(os.fspath(path))
     if os.path.lexists(path):
         raise FileExistsError(f"refusing to overwrite existing params directory {path!r}")
-    with ocp.StandardCheckpointer() as checkpointer:
+    # Orbax writes from background threads: stopped half way by Ctrl-C or SIGTERM, they would go on writing
+    # into a directory the caller is deleting. So the signals wait until the save has finished (seconds).
+    with _signals_held(), ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(path, params)
         # Saving is asynchronous; the checkpoint is only complete once this returns.
         checkpointer.wait_until_finished()
     return path
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """SIGINT and SIGTERM arriving inside the block are delivered when it ends (to the handlers in place
+    before it), so whatever the block starts has finished first. Main thread only (elsewhere: no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    held = (signal.SIGINT, signal.SIGTERM)
+    previous = {signum: signal.signal(signum, lambda signum, frame: received.append(signum)) for signum in held}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(received):
+            signal.raise_signal(signum)
 
 
 def load_params(
@@ -55,6 +79,35 @@ def load_params(
             return np.empty(meta.shape, leaf_dtype)
         return jax.ShapeDtypeStruct(meta.shape, leaf_dtype, sharding=sharding)
 
-    with ocp.StandardCheckpointer() as checkpointer:
-        metadata = checkpointer.metadata(path).item_metadata.tree
-        return checkpointer.restore(path, jax.tree.map(target, metadata))
+    if not os.path.isfile(os.path.join(path, "_CHECKPOINT_METADATA")) and not os.listdir(path):
+        raise ValueError(f"params checkpoint {path!r} is empty: the conversion did not finish; convert again")
+    try:
+        with ocp.StandardCheckpointer() as checkpointer:
+            metadata = checkpointer.metadata(path).item_metadata.tree
+            return checkpointer.restore(path, jax.tree.map(target, metadata))
+    except Exception as error:  # noqa: BLE001 -- TensorStore raises bare Exceptions for damaged data
+        # orbax and TensorStore explain a damaged file in a long spec dump; the first line says what failed.
+        text = str(error).split("See full TensorStore details")[0].strip()
+        first = text.splitlines()[0][:300] if text else type(error).__name__
+    # orbax's other reads of the damaged checkpoint fail too, after its event loop has closed. Unawaited, each
+    # would print "Exception ignored in <coroutine _read_array_index_and_device_put>" and a traceback when
+    # collected: dropped. (Their TensorStore callbacks may still print "RuntimeError: Event loop is closed"
+    # from TensorStore's own threads, which no Python hook sees.)
+    _ignore_unraisable_from("_read_array_index_and_device_put")
+    raise ValueError(f"params checkpoint {path!r} is truncated or corrupt ({first}); convert the model again")
+
+
+def _ignore_unraisable_from(qualname: str) -> None:
+    """From now on, drop the unraisable exceptions of coroutines named `qualname` (others go on as before)."""
+    import sys
+
+    previous = sys.unraisablehook
+    if getattr(previous, "ignored", None) == qualname:
+        return
+
+    def hook(unraisable):
+        if getattr(unraisable.object, "__qualname__", "") != qualname:
+            previous(unraisable)
+
+    hook.ignored = qualname
+    sys.unraisablehook = hook

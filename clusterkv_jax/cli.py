@@ -60,6 +60,9 @@ def _print_result(result, label: str) -> None:
 
 
 def cmd_generate(args) -> int:
+    from clusterkv_jax.loading import check_model_dir
+
+    check_model_dir(args.model)
     if args.mesh:
         from clusterkv_jax import sharding
 
@@ -69,6 +72,7 @@ def cmd_generate(args) -> int:
             print(f"clusterkv generate: {e}", file=sys.stderr)
             return 2
         sharding.request_host_devices(args.mesh)  # on CPU: data*model host devices (before JAX starts)
+        sharding.check_mesh_for_model(args.mesh, args.model, args.dtype)
     from clusterkv_jax import generate, load_model
     from clusterkv_jax.eval.policies import make_policy
 
@@ -93,9 +97,14 @@ def cmd_generate(args) -> int:
                       mesh=args.mesh, prefill_chunk=args.prefill_chunk)
     print(result.texts[0] if result.texts else result.tokens[0])
     label = "full KV" if args.policy == "full" else f"{args.policy} B={args.budget}"
-    print(f"{label}{' (offloaded)' if args.offload else ''}: {result.num_generated} tokens; prefill of {result.prompt_lengths[0]} tokens "
-          f"{result.prefill_seconds:.2f} s, decode {result.decode_tokens_per_second:.1f} tokens/s"
-          + (" (compile included in both)" if result.compiled else ""), file=sys.stderr)
+    label += " (offloaded)" if args.offload else ""
+    if result.compiled:
+        # A one-off run compiles its programs: its prefill and decode times are mostly compiling, not speed.
+        print(f"{label}: {result.num_generated} tokens in {result.seconds:.2f} s, compiling included (no speed "
+              "figures: `clusterkv bench decode` times prefill and decode compiled)", file=sys.stderr)
+    else:
+        print(f"{label}: {result.num_generated} tokens; prefill of {result.prompt_lengths[0]} tokens "
+              f"{result.prefill_seconds:.2f} s, decode {result.decode_tokens_per_second:.1f} tokens/s", file=sys.stderr)
     return 0
 
 
@@ -125,11 +134,40 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def _policy_list(text: str) -> list[str]:
+    from clusterkv_jax.eval.policies import parse_policies
+
+    try:
+        return parse_policies(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _int_list(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not values or min(values) <= 0:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
@@ -139,12 +177,46 @@ def _eval_inputs(args):
     """The model and the text's token ids (enough of the text for the tokens asked for)."""
     from clusterkv_jax import load_model
 
+    _check_text_file(args.text)
     model = load_model(args.model, dtype=args.dtype)
     if model.tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer.json; evaluations read text")
     with open(args.text, encoding="utf-8") as f:
         text = f.read(args.max_chars) if args.max_chars else f.read()
     return model, model.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _check_text_file(path: str) -> None:
+    if os.path.isdir(path):
+        raise ValueError(f"--text {path!r} is a directory; give a UTF-8 text file")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--text file {path!r} does not exist")
+
+
+def _check_outputs(args) -> None:
+    """Where results will be written (--out, --json) can be written: checked before hours of computing, and
+    without creating anything (a command that then fails leaves no empty directory)."""
+    import tempfile
+
+    folders = []
+    if getattr(args, "out", None):
+        folders.append(("--out", os.path.abspath(args.out)))
+    if getattr(args, "json", None):
+        folders.append(("--json", os.path.dirname(os.path.abspath(args.json))))
+    for flag, folder in folders:
+        existing = folder
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            raise ValueError(f"cannot write results to {flag} {folder!r}: {existing!r} is a file")
+        try:
+            if existing == folder:
+                with tempfile.TemporaryFile(dir=folder):
+                    pass
+            elif not os.access(existing, os.W_OK | os.X_OK):
+                raise PermissionError(f"{existing!r} is not writable")
+        except OSError as e:
+            raise ValueError(f"cannot write results to {flag} {folder!r}: {e.strerror or e}") from None
 
 
 def _add_policy_flags(parser) -> None:
@@ -154,9 +226,9 @@ def _add_policy_flags(parser) -> None:
     parser.add_argument("--kmeans-tol", type=float, default=None, metavar="F",
                         help="ClusterKV: K-means stops once at most this fraction of keys changed cluster "
                              "(default: ClusterKV's)")
-    parser.add_argument("--kmeans-iters", type=int, default=None, metavar="N",
+    parser.add_argument("--kmeans-iters", type=_positive_int, default=None, metavar="N",
                         help="ClusterKV: K-means iterations at most (default: ClusterKV's max_iters)")
-    parser.add_argument("--quest-sinks", type=int, default=0, metavar="N",
+    parser.add_argument("--quest-sinks", type=_nonnegative_int, default=0, metavar="N",
                         help="Quest: always select the pages of the first N tokens (0: none, as in the Quest paper)")
 
 
@@ -369,6 +441,8 @@ def cmd_bench_decode(args) -> int:
         from clusterkv_jax import sharding as sh
 
         sh.request_host_devices(args.mesh)  # on CPU: before JAX starts its backends
+        if args.model:
+            sh.check_mesh_for_model(args.mesh, args.model, args.dtype)
         mesh = sh.make_mesh(args.mesh)
     policies = make_policies(args.policies, args.budgets, offload_kv=args.offload,
                              policy_options=_policy_options(args))
@@ -407,6 +481,7 @@ def cmd_bench_attention(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="clusterkv", description=__doc__)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text from a converted checkpoint")
@@ -414,10 +489,10 @@ def build_parser() -> argparse.ArgumentParser:
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
     src.add_argument("--prompt-file")
-    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--max-new-tokens", type=_positive_int, default=128)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-k", type=_nonnegative_int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
@@ -426,9 +501,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "are requested automatically)")
     g.add_argument("--policy", choices=["full", "clusterkv", "quest", "streaming"], default="full",
                    help="KV policy (default: full KV)")
-    g.add_argument("--budget", type=int, default=1024, help="tokens attended per step (clusterkv, quest, streaming)")
+    g.add_argument("--budget", type=_positive_int, default=1024, help="tokens attended per step (clusterkv, quest, streaming)")
     g.add_argument("--offload", action="store_true", help="keep the KV in host memory (full, clusterkv, quest)")
-    g.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+    g.add_argument("--prefill-chunk", type=_positive_int, default=None, metavar="N",
                    help="prefill long prompts N tokens at a time (a multiple of 512): bounded activation memory")
     _add_policy_flags(g)
     g.set_defaults(func=cmd_generate)
@@ -437,62 +512,59 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--model", default=None, help="a converted checkpoint (default: bundled SmolLM2-135M-Instruct)")
     d.add_argument("--document", dest="document_file", default=None, help="text file to ask about")
     d.add_argument("--question", default=DEMO_QUESTION)
-    d.add_argument("--context", type=int, default=2000, help="document tokens to keep")
-    d.add_argument("--max-new-tokens", type=int, default=48)
-    d.add_argument("--budget", type=int, default=512, help="ClusterKV token budget")
+    d.add_argument("--context", type=_positive_int, default=2000, help="document tokens to keep")
+    d.add_argument("--max-new-tokens", type=_positive_int, default=48)
+    d.add_argument("--budget", type=_positive_int, default=512, help="ClusterKV token budget")
     d.set_defaults(func=cmd_demo)
 
     ev = sub.add_parser("eval", help="scripted evaluations").add_subparsers(dest="eval_command", required=True)
 
     def eval_parser(name, help, func, policies, needs_text=True):
-        from clusterkv_jax.eval.policies import parse_policies
-
         e = ev.add_parser(name, help=help)
         e.add_argument("--model", required=True, help="a converted checkpoint directory")
         if needs_text:
             e.add_argument("--text", required=True, help="a long UTF-8 text file")
         e.add_argument("--budgets", type=_int_list, default=[256, 512, 1024, 2048])
-        e.add_argument("--policies", type=parse_policies, default=parse_policies(policies))
+        e.add_argument("--policies", type=_policy_list, default=_policy_list(policies))
         _add_policy_flags(e)
         e.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
         e.add_argument("--out", default=None, help="directory for NAME.json, NAME.md and NAME.png")
         if needs_text:
-            e.add_argument("--max-chars", type=int, default=0, help="read only this much of the text (0: all)")
+            e.add_argument("--max-chars", type=_nonnegative_int, default=0, help="read only this much of the text (0: all)")
         e.set_defaults(func=func)
         return e
 
     r = eval_parser("recall", "top-B token recall and attention-mass recall of each policy", cmd_eval_recall,
                     "clusterkv,quest,streaming,oracle")
-    r.add_argument("--context", type=int, default=8000)
-    r.add_argument("--steps", type=int, default=8)
+    r.add_argument("--context", type=_positive_int, default=8000)
+    r.add_argument("--steps", type=_positive_int, default=8)
     r.add_argument("--json", default=None, help="also write the results to this JSON file")
     p = eval_parser("ppl", "perplexity with the policy active during teacher-forced decoding", cmd_eval_ppl,
                     "clusterkv,quest,streaming")
-    p.add_argument("--context", type=int, default=8000)
-    p.add_argument("--eval-tokens", type=int, default=1024)
-    p.add_argument("--windows", type=int, default=1)
+    p.add_argument("--context", type=_positive_int, default=8000)
+    p.add_argument("--eval-tokens", type=_positive_int, default=1024)
+    p.add_argument("--windows", type=_positive_int, default=1)
     a = eval_parser("agreement", "greedy continuations under each policy vs full KV", cmd_eval_agreement,
                     "clusterkv,quest,streaming")
-    a.add_argument("--context", type=int, default=8000)
-    a.add_argument("--new-tokens", type=int, default=64)
-    a.add_argument("--samples", type=int, default=4)
+    a.add_argument("--context", type=_positive_int, default=8000)
+    a.add_argument("--new-tokens", type=_positive_int, default=64)
+    a.add_argument("--samples", type=_positive_int, default=4)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     o = bench.add_parser("offload", help="ClusterKV with host-offloaded KV: cache hit rates, KV bytes, clustering share")
     o.add_argument("--model", required=True)
     o.add_argument("--text", required=True)
-    o.add_argument("--context", type=int, default=8000)
-    o.add_argument("--new-tokens", type=int, default=256)
-    o.add_argument("--budget", type=int, default=1024)
+    o.add_argument("--context", type=_positive_int, default=8000)
+    o.add_argument("--new-tokens", type=_positive_int, default=256)
+    o.add_argument("--budget", type=_positive_int, default=1024)
     o.add_argument("--cache-steps", type=_int_list, default=[1, 2])
     o.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    o.add_argument("--max-chars", type=int, default=0)
+    o.add_argument("--max-chars", type=_nonnegative_int, default=0)
     o.add_argument("--json", default=None)
     o.set_defaults(func=cmd_bench_offload)
 
     def bench_parser(name, help, func, contexts, policies):
         from clusterkv_jax.config import SYNTHETIC_GEOMETRIES
-        from clusterkv_jax.eval.policies import parse_policies
 
         b = bench.add_parser(name, help=help)
         src = b.add_mutually_exclusive_group(required=True)
@@ -501,9 +573,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="random weights with this model's geometry")
         b.add_argument("--context", type=_int_list, default=contexts, help="comma-separated context lengths")
         b.add_argument("--budgets", type=_int_list, default=[512, 1024])
-        b.add_argument("--policies", type=parse_policies, default=parse_policies(policies))
+        b.add_argument("--policies", type=_policy_list, default=_policy_list(policies))
         _add_policy_flags(b)
-        b.add_argument("--batch", type=int, default=1, help="sequences decoded together")
+        b.add_argument("--batch", type=_positive_int, default=1, help="sequences decoded together")
         b.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
         b.add_argument("--seed", type=int, default=0)
         b.add_argument("--out", default=None, help="directory for NAME.json, NAME.md and NAME.png")
@@ -512,8 +584,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     dec = bench_parser("decode", "decode latency/throughput of each policy vs full KV, clustering share, roofline",
                        cmd_bench_decode, [1000, 2000, 4000, 8000], "full,clusterkv,quest")
-    dec.add_argument("--decode", type=int, default=64, help="decode steps per policy and context")
-    dec.add_argument("--layers", type=int, default=None, help="--synthetic only: number of layers")
+    dec.add_argument("--decode", type=_positive_int, default=64, help="decode steps per policy and context")
+    dec.add_argument("--layers", type=_positive_int, default=None, help="--synthetic only: number of layers")
     dec.add_argument("--text", default=None, help="prompt text (default ../shared/data/pride_and_prejudice.txt)")
     dec.add_argument("--offload", action="store_true", help="keep KV in host memory (full, clusterkv, quest)")
     dec.add_argument("--mesh", default=None, metavar="data=D,model=M", help="shard params, caches and batch "
@@ -522,39 +594,52 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also time HF transformers' full-KV decode of the same weights (needs torch)")
     att = bench_parser("attention", "one layer's decode attention alone: full vs select + gather + attend",
                        cmd_bench_attention, [8000, 16000, 32000], "full,clusterkv,quest")
-    att.add_argument("--repeats", type=int, default=20)
+    att.add_argument("--repeats", type=_positive_int, default=20)
     lb = eval_parser("longbench", "LongBench scores (the paper's 8 English datasets) of each policy",
                      cmd_eval_longbench, "clusterkv,quest,streaming", needs_text=False)
     lb.add_argument("--data-dir", required=True, help="directory of LongBench's DATASET.jsonl files")
     lb.add_argument("--tasks", type=_longbench_tasks, default=None,
                     help="comma-separated datasets (default: all 8 of the paper)")
-    lb.add_argument("--max-length", type=int, default=8000, help="prompt tokens kept (truncated in the middle)")
-    lb.add_argument("--limit", type=int, default=None, help="use only the first N samples of each dataset")
-    lb.add_argument("--batch-size", type=int, default=1, help="prompts generated together")
-    lb.add_argument("--max-new-tokens", type=int, default=None,
+    lb.add_argument("--max-length", type=_positive_int, default=8000, help="prompt tokens kept (truncated in the middle)")
+    lb.add_argument("--limit", type=_positive_int, default=None, help="use only the first N samples of each dataset")
+    lb.add_argument("--batch-size", type=_positive_int, default=1, help="prompts generated together")
+    lb.add_argument("--max-new-tokens", type=_positive_int, default=None,
                     help="override LongBench's per-dataset generation lengths (quick runs only)")
     sy = eval_parser("synthetic", "RULER-style needle / key-value retrieval accuracy of each policy",
                      cmd_eval_synthetic, "clusterkv,quest,streaming", needs_text=False)
     sy.add_argument("--context", type=_int_list, default=[4000, 8000], help="comma-separated prompt lengths")
-    sy.add_argument("--samples", type=int, default=20, help="samples per task and context")
+    sy.add_argument("--samples", type=_positive_int, default=20, help="samples per task and context")
     sy.add_argument("--tasks", type=_synthetic_tasks, default=None, help="comma-separated (default: all three)")
     sy.add_argument("--seed", type=int, default=0)
-    sy.add_argument("--batch-size", type=int, default=1, help="prompts generated together")
-    sy.add_argument("--max-new-tokens", type=int, default=48)
+    sy.add_argument("--batch-size", type=_positive_int, default=1, help="prompts generated together")
+    sy.add_argument("--max-new-tokens", type=_positive_int, default=48)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if getattr(args, "document_file", None):
-        with open(args.document_file, encoding="utf-8") as f:
-            args.document_text = f.read()
-    else:
-        args.document_text = None
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv  # accepted anywhere on the line, not only before the command
+    args = build_parser().parse_args([a for a in argv if a != "--debug"])
+    args.debug = debug
     try:
+        _check_outputs(args)
+        if getattr(args, "document_file", None):
+            _check_text_file(args.document_file)
+            with open(args.document_file, encoding="utf-8") as f:
+                args.document_text = f.read()
+        else:
+            args.document_text = None
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"clusterkv: error: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print("clusterkv: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 -- one line for the user; --debug shows the traceback
+        if args.debug:
+            raise
+        known = isinstance(e, (ValueError, TypeError, OSError))
+        print(f"clusterkv: error: {e}" if known else f"clusterkv: error ({type(e).__name__}): {e}", file=sys.stderr)
         return 2
 
 

@@ -128,8 +128,14 @@ class ModelConfig:
         cfg_path = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_path):
             raise FileNotFoundError(f"no config.json in {os.fspath(path)!r}: not an HF or clusterkv checkpoint directory")
-        with open(cfg_path) as f:
-            return cls.from_hf_dict(json.load(f))
+        with open(cfg_path, encoding="utf-8") as f:
+            try:
+                hf = json.load(f)
+            except (json.JSONDecodeError, UnicodeDecodeError) as error:
+                raise ValueError(f"{cfg_path!r} is not valid JSON: {error}") from None
+        if not isinstance(hf, dict):
+            raise ValueError(f"{cfg_path!r} holds {type(hf).__name__} where a JSON object was expected")
+        return cls.from_hf_dict(hf)
 
 
 def _parse_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling]:

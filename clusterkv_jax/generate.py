@@ -181,7 +181,7 @@ def _decode(params, loop: DecodeLoop, sampling: Sampling, eos_ids, pad_id, *, co
         key, sub = jax.random.split(loop.key)
         nxt = jnp.where(loop.done, pad_id, sample_tokens(logits, sampling, sub))
         return DecodeLoop(step=loop.step + 1, last=nxt, cache=pin(cache),
-                          out=jax.lax.dynamic_update_slice(loop.out, nxt[:, None], (0, loop.step)),
+                          out=jax.lax.dynamic_update_slice_in_dim(loop.out, nxt[:, None], loop.step, axis=1),
                           done=loop.done | jnp.isin(nxt, eos_ids), counts=loop.counts + (~loop.done).astype(jnp.int32),
                           key=key)
 
@@ -270,6 +270,9 @@ def _as_token_batch(model, prompts, chat: bool, add_special_tokens: bool) -> tup
     """Normalises prompts (text, ids, or lists of either) into a list of id lists; says if input was single."""
     if isinstance(prompts, np.ndarray):
         prompts = prompts.tolist()
+    if not isinstance(prompts, (str, list, tuple)):
+        raise TypeError(f"prompts must be a string, a list of token ids, or a list of either; got "
+                        f"{type(prompts).__name__}")
     single = isinstance(prompts, str) or (
         isinstance(prompts, (list, tuple)) and len(prompts) > 0 and all(isinstance(t, (int, np.integer)) for t in prompts)
     )
@@ -279,6 +282,11 @@ def _as_token_batch(model, prompts, chat: bool, add_special_tokens: bool) -> tup
     ids: list[list[int]] = []
     for i, p in enumerate(batch):
         if isinstance(p, str):
+            try:
+                p.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"prompt {i} is not valid Unicode text: {e.reason} at character {e.start} "
+                                 f"({p[e.start]!r})") from None
             if model.tokenizer is None:
                 raise ValueError("text prompts need a model with a tokenizer; pass token ids instead")
             if chat:
@@ -286,8 +294,13 @@ def _as_token_batch(model, prompts, chat: bool, add_special_tokens: bool) -> tup
                 ids.append(model.tokenizer.encode(p, add_special_tokens=False))
             else:
                 ids.append(model.tokenizer.encode(p, add_special_tokens=add_special_tokens))
+        elif isinstance(p, (list, tuple, np.ndarray)):
+            items = p.tolist() if isinstance(p, np.ndarray) else list(p)
+            if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in items):
+                raise TypeError(f"prompt {i} must be a string or a list of int token ids, got {str(p)[:60]}")
+            ids.append([int(t) for t in items])
         else:
-            ids.append([int(t) for t in p])
+            raise TypeError(f"prompt {i} must be a string or a list of int token ids, got {type(p).__name__}")
         if not ids[-1]:
             raise ValueError(f"prompt {i} is empty")
         bad = [t for t in ids[-1] if not 0 <= t < model.config.vocab_size]

@@ -72,7 +72,7 @@ def _assign(unit_keys, valid, directions, cluster_ok):
         labels = jnp.argmax(jnp.where(cluster_ok[..., None, :], sim, -jnp.inf), axis=-1).astype(jnp.int32)
     else:
         # A disallowed cluster lands below 0, under every allowed one.
-        offset = jnp.where(cluster_ok, _PACK_OFFSET, -_PACK_OFFSET)[..., None, :]
+        offset = jnp.where(cluster_ok, jnp.float32(_PACK_OFFSET), jnp.float32(-_PACK_OFFSET))[..., None, :]
         value = jax.lax.reduce_precision(sim * _PACK_SCALE + offset, exponent_bits=8, mantissa_bits=23 - bits)
         code = (C - 1 - jnp.arange(C, dtype=jnp.int32)).astype(jnp.float32) * 2.0**-22
         best = jnp.max(value + code, axis=-1)  # [P, N] in [2, 4): low `bits` mantissa bits = C-1-label
@@ -157,7 +157,8 @@ def init_random(keys: jax.Array, valid: jax.Array, C: int, rngs: jax.Array) -> j
     rngs holds one PRNG key per problem [P, 2], so a problem's seeds do not depend on the batch around it.
     """
     N = keys.shape[-2]
-    u = map_leading(lambda r: jax.random.uniform(r, (N,)), rngs.ndim - 1)(rngs)  # [P, N]
+    # float32 draws also under JAX_ENABLE_X64, so the seeds do not change with it.
+    u = map_leading(lambda r: jax.random.uniform(r, (N,), jnp.float32), rngs.ndim - 1)(rngs)  # [P, N]
     idx = top_k_indices(jnp.where(valid, u, -1.0 - u), C)  # valid keys first, in random order
     return jnp.take_along_axis(keys.astype(jnp.float32), idx[..., None], axis=-2)
 
@@ -169,7 +170,7 @@ def init_kmeans_plus_plus(keys: jax.Array, valid: jax.Array, C: int, rngs: jax.A
         x = x.astype(jnp.float32)
         unit = _normalize(x)
         rngs = jax.random.split(rng, C)
-        first = jax.random.categorical(rngs[0], jnp.where(valid, 0.0, -jnp.inf))
+        first = jax.random.categorical(rngs[0], jnp.where(valid, 0.0, -jnp.inf).astype(jnp.float32))
         seeds = jnp.zeros((C, x.shape[1]), jnp.float32).at[0].set(x[first])
         best_sim = unit @ unit[first]
 

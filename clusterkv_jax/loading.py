@@ -35,14 +35,22 @@ def check_params(params: Any, config: ModelConfig) -> None:
             raise ValueError(f"parameter {name} has shape {tuple(flat_got[path].shape)}, expected {shape}")
 
 
+def check_model_dir(path: str) -> None:
+    """A clear error for a model path that is a file or is missing (before anything is read)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"model {path!r} is a file; give the directory `python -m checkpoints_convert` wrote "
+                         "(convert a GGUF or HF checkpoint first)")
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model directory {path!r} does not exist")
+
+
 def load_model(path: str | os.PathLike, dtype: Any = None) -> Model:
     """Loads a directory written by `python -m checkpoints_convert` (config.json, tokenizer, params/).
 
     `dtype` (e.g. "float32", "bfloat16") casts the parameters; by default they keep the stored dtype.
     """
     path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"model directory {path!r} does not exist")
+    check_model_dir(path)
     config = ModelConfig.from_dir(path)
     if not os.path.isdir(os.path.join(path, "params")):
         raise FileNotFoundError(

@@ -146,7 +146,8 @@ class HostKV(KVStore):
 
     def write_prompt(self, layer, k, v, start=0) -> "HostKV":
         def write(store, rows, at, row):
-            return jax.lax.dynamic_update_slice(store, rows, (at, 0, 0, row, 0))
+            index = tuple(jnp.asarray(i, jnp.int32) for i in (at, 0, 0, row, 0))  # one index dtype, also under x64
+            return jax.lax.dynamic_update_slice(store, rows, index)
 
         k_h, v_h = to_host(k[None].astype(self.k.dtype)), to_host(v[None].astype(self.v.dtype))
         at, row = to_host(jnp.asarray(layer, jnp.int32)), to_host(jnp.asarray(start, jnp.int32))

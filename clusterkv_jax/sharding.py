@@ -139,6 +139,59 @@ def request_host_devices(spec: str | Mapping[str, int]) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), else None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_host_replicas_fit(spec, param_bytes: int, available: int | None = None) -> None:
+    """On CPU the mesh's devices share this machine's memory, and the parameters are replicated over "data"
+    (the loaded copy besides): refuse a mesh whose copies would not fit in the memory available now, rather
+    than be OOM-killed half way through placing them. Call after JAX has started, for CPU devices only."""
+    sizes = parse_mesh(spec)
+    available = available_memory_bytes() if available is None else available
+    need = param_bytes * (sizes["data"] + 1)
+    if available is not None and need > 0.9 * available:
+        gb = lambda n: f"{n / 1e9:.1f} GB"  # noqa: E731
+        raise ValueError(
+            f"mesh data={sizes['data']},model={sizes['model']} on CPU would hold {sizes['data']} copies of the "
+            f"{gb(param_bytes)} parameters plus the loaded one ({gb(need)}) in this machine's memory, "
+            f"{gb(available)} available: use a smaller data axis"
+        )
+
+
+def param_bytes(config, dtype) -> int:
+    """Bytes of the parameters of `config` in `dtype`."""
+    from clusterkv_jax.model import param_shapes
+
+    shapes = jax.tree_util.tree_leaves(param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))
+    return sum(math.prod(shape) for shape in shapes) * np.dtype(dtype).itemsize
+
+
+def check_mesh_for_model(spec, model_dir: str, dtype) -> None:
+    """`check_host_replicas_fit` for the converted model in `model_dir` (at `dtype`, default its stored one),
+    when JAX's devices are CPUs; before any parameter is read."""
+    if jax.devices()[0].platform != "cpu":
+        return
+    from clusterkv_jax.config import ModelConfig
+
+    config = ModelConfig.from_dir(model_dir)
+    if dtype is None:
+        import json
+
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            stored = json.load(f).get("clusterkv", {})
+        dtype = stored.get("dtype", "float32") if isinstance(stored, dict) else "float32"
+    check_host_replicas_fit(spec, param_bytes(config, dtype))
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Rules: which mesh axis each logical dimension uses for one (model, batch size)
 # ----------------------------------------------------------------------------------------------------------

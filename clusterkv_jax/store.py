@@ -120,7 +120,7 @@ class DeviceKV(KVStore):
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
     def write_prompt(self, layer, k, v, start=0) -> "DeviceKV":
-        at = (layer, 0, 0, start, 0)
+        at = tuple(jnp.asarray(i, jnp.int32) for i in (layer, 0, 0, start, 0))  # one index dtype, also under x64
         return self.replace(k=jax.lax.dynamic_update_slice(self.k, k[None].astype(self.k.dtype), at),
                             v=jax.lax.dynamic_update_slice(self.v, v[None].astype(self.v.dtype), at))
 

@@ -500,3 +500,135 @@ def test_cli(tmp_path, capsys):
     assert "already exists" in capsys.readouterr().err
     assert cli_main(["hf", str(tmp_path / "nowhere"), str(tmp_path / "out2")]) == 1
     assert "config.json" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Nothing lost, nothing left behind
+# ----------------------------------------------------------------------------------------------------------
+
+
+def tree_snapshot(root) -> dict[str, bytes]:
+    """Every file under root with its bytes (the whole tree, to show nothing was lost or added)."""
+    out = {}
+    for folder, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(folder, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, root)] = f.read()
+    return out
+
+
+def test_destination_overlapping_the_source_is_refused(tmp_path):
+    """dst = src, dst inside src, dst containing src (its parent, with unrelated files): refused before anything
+    is read or written, even with --overwrite; every file stays as it was (once, dst = src deleted the source)."""
+    src = write_tiny_hf(tmp_path / "parent" / "src")
+    (tmp_path / "parent" / "notes.txt").write_text("unrelated")
+    before = tree_snapshot(tmp_path)
+    for dst, message in [(src, "is the source"), (os.path.join(src, "out"), "lies inside the source"),
+                         (str(tmp_path / "parent"), "contains the source")]:
+        with pytest.raises(ValueError, match=message):
+            convert_hf(src, dst, overwrite=True)
+        assert cli_main(["hf", src, dst, "--overwrite"]) == 1
+    gguf_file = write_tiny_gguf(tmp_path / "model.gguf")
+    gguf_bytes = open(gguf_file, "rb").read()
+    with pytest.raises(ValueError, match="is the source"):
+        convert_gguf(gguf_file, gguf_file, overwrite=True)
+    assert open(gguf_file, "rb").read() == gguf_bytes
+    os.remove(gguf_file)
+    assert tree_snapshot(tmp_path) == before
+
+
+def test_overwrite_replaces_only_an_earlier_conversion(tmp_path, capsys):
+    src = write_tiny_hf(tmp_path / "src")
+    other = tmp_path / "photos"
+    other.mkdir()
+    (other / "holiday.jpg").write_bytes(b"\xff\xd8 not ours")
+    with pytest.raises(FileExistsError, match="not a converted checkpoint"):
+        convert_hf(src, other, overwrite=True)
+    assert cli_main(["hf", src, str(other), "--overwrite"]) == 1
+    assert "not a converted checkpoint" in capsys.readouterr().err
+    assert (other / "holiday.jpg").read_bytes() == b"\xff\xd8 not ours"
+    a_file = tmp_path / "a_file"
+    a_file.write_text("keep me")
+    with pytest.raises(FileExistsError, match="not a converted checkpoint"):
+        convert_hf(src, a_file, overwrite=True)
+    assert a_file.read_text() == "keep me"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    convert_hf(src, empty, dtype="float32", overwrite=True)  # an empty directory may be replaced
+    convert_hf(src, empty, dtype="float32", overwrite=True)  # and so may an earlier conversion
+    assert_params_equal(load_params(empty, as_numpy=True), hf_state_dict_to_params(tiny_tensors(TINY_CONFIG), TINY_CONFIG))
+
+
+def test_stale_staging_directories_of_dead_runs_are_swept(tmp_path):
+    """A killed conversion (SIGKILL, power loss) leaves `.NAME.tmp-PID-*`; the next conversion to NAME deletes
+    those whose process is gone and leaves a live run's and other names' alone."""
+    import subprocess
+    import sys
+
+    src = write_tiny_hf(tmp_path / "src")
+    finished = subprocess.Popen([sys.executable, "-c", "pass"])
+    finished.wait()
+    dead, alive, unrelated = (tmp_path / f".out.tmp-{finished.pid}-abc", tmp_path / f".out.tmp-{os.getpid()}-def",
+                              tmp_path / f".other.tmp-{finished.pid}-ghi")
+    for d in (dead, alive, unrelated):
+        (d / "params").mkdir(parents=True)
+        (d / "params" / "chunk").write_bytes(b"0" * 100)
+    convert_hf(src, tmp_path / "out", dtype="float32")
+    assert sibling_names(tmp_path / "out") == {"src", "out", alive.name, unrelated.name}
+
+
+@pytest.fixture(scope="module")
+def larger_hf_dir(tmp_path_factory) -> str:
+    """About 150 MB of float32 weights: saving takes long enough to be interrupted at several points."""
+    cfg = dict(TINY_CONFIG, vocab_size=16000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+               num_attention_heads=8, num_key_value_heads=4, head_dim=64)
+    return write_tiny_hf(tmp_path_factory.mktemp("larger") / "src", cfg=cfg)
+
+
+@pytest.mark.parametrize("signum,stage,delay", [
+    ("SIGTERM", "reading", 0.0),
+    ("SIGINT", "saving", 0.0),
+    ("SIGINT", "saving", 0.4),
+    ("SIGTERM", "saving", 0.2),
+    ("SIGTERM", "saving", 1.0),
+])
+def test_interrupted_conversion_leaves_nothing_behind(larger_hf_dir, tmp_path, signum, stage, delay):
+    """The CLI in a subprocess, interrupted while reading tensors (the staging directory exists) or `delay` s
+    into the orbax save (its params directory exists): it exits with a message and no traceback, and nothing of
+    it is left beside the destination (the save finishes its writes before the cleanup runs)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "checkpoints_convert", "hf", larger_hf_dir, str(out), "--dtype",
+                             "float32"], stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    deadline = time.monotonic() + 120
+    sent = False
+    while proc.poll() is None and time.monotonic() < deadline:
+        staging = [n for n in os.listdir(tmp_path) if n.startswith(".out.tmp-")]
+        # orbax writes `params.orbax-checkpoint-tmp-*` and renames it to `params` at the end.
+        reached = staging and (stage == "reading" or any(
+            n.startswith("params") for n in os.listdir(tmp_path / staging[0]) if os.path.exists(tmp_path / staging[0])))
+        if reached:
+            time.sleep(delay)
+            proc.send_signal(getattr(signal, signum))
+            sent = True
+            break
+        time.sleep(0.005)
+    _, err = proc.communicate(timeout=120)
+    assert sent, f"the conversion ended before reaching {stage}: {err}"
+    assert "Traceback" not in err, err
+    if os.path.exists(out):  # the signal came after the publish: a whole checkpoint, nothing else
+        assert delay > 0, "a signal before the save ended must stop the conversion"
+        assert os.listdir(tmp_path) == ["out"]
+        load_params(out, as_numpy=True)
+    else:
+        assert proc.returncode == {"SIGINT": 130, "SIGTERM": 128 + signal.SIGTERM}[signum], (proc.returncode, err)
+        assert err.rstrip().endswith("interrupted: nothing was written") or signum == "SIGTERM", err
+        assert os.listdir(tmp_path) == [], os.listdir(tmp_path)
+    time.sleep(1.0)  # nothing still writing in the background recreates anything
+    assert set(os.listdir(tmp_path)) <= {"out"}

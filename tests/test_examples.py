@@ -129,3 +129,23 @@ def test_colab_notebook_runs(example_env, tmp_path, monkeypatch):
     assert "[full KV]" in text and "[ClusterKV B=" in text and "tokens/s" in text
     images = [o for o in outputs if "image/png" in o.get("data", {})]
     assert len(images) == 2  # the selected clusters and the sweep
+
+
+def test_readme_python_snippet_runs_and_its_loop_matches_generate(smollm2_converted_dir):
+    """The README's Python block, run as written (model path replaced, 8 new tokens): its own prefill /
+    decode_step loop gives the greedy tokens `generate` gives (once, its default bfloat16 cache did not)."""
+    import re
+
+    import clusterkv_jax as ckv
+
+    with open(os.path.join(REPO_ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    block = re.search(r"## Python\n\n```python\n(.*?)```", readme, re.S).group(1)
+    block = block.replace('"checkpoints/smollm2"', repr(str(smollm2_converted_dir)))
+    block = block.replace("max_new_tokens=64", "max_new_tokens=4").replace('"Hi!", 32', '"Hi!", 4')
+    namespace: dict = {}
+    exec(compile(block, "README.md", "exec"), namespace)
+    model = namespace["model"]
+    want = ckv.generate(model, "The capital of France is", 8, policy=ckv.ClusterKV(budget=256),
+                        stop_at_eos=False).tokens[0]
+    assert namespace["new_ids"] == want

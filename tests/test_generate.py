@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -153,7 +154,8 @@ def test_bad_generate_input_is_refused(smollm2):
 
 def test_cli_generate_runs_each_policy_and_times_prefill_and_decode(smollm2, smollm2_converted_dir, capsys):
     """`clusterkv generate --policy P --budget N`: ClusterKV with a budget over the prompt writes full KV's text;
-    a budget under it runs the method (here other text, or the same); both report prefill s and decode tokens/s.
+    a budget under it runs the method (here other text, or the same); a call that compiled says so and gives its
+    wall time only, a compiled one reports prefill s and decode tokens/s.
     A policy that cannot offload is refused with exit 2."""
     from clusterkv_jax.cli import main
 
@@ -165,7 +167,52 @@ def test_cli_generate_runs_each_policy_and_times_prefill_and_decode(smollm2, smo
         assert main(base + flags) == 0
         out, err = capsys.readouterr()
         texts[name] = out
-        assert "prefill of" in err and "tokens/s" in err, err
+        # A call that compiled reports its wall time only, compile included; a compiled one, prefill and decode.
+        assert ("prefill of" in err and "tokens/s" in err) or "compiling included (no speed figures" in err, err
+    assert main(base + ["--policy", "clusterkv", "--budget", "64", "--kmeans-tol", "0"]) == 0  # compiled now
+    err = capsys.readouterr().err
+    assert "prefill of " in err and "tokens/s" in err and "compil" not in err, err
     assert texts["clusterkv-all"] == texts["full"]
     assert main(base + ["--policy", "streaming", "--offload"]) == 2
     assert "--offload works with" in capsys.readouterr().err
+
+
+_X64_SCRIPT = """
+import json, sys
+import jax, numpy as np
+from clusterkv_jax import ClusterKV, generate
+from clusterkv_jax.config import ModelConfig
+from clusterkv_jax.loading import Model
+from clusterkv_jax.model import init_params
+cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+                  head_dim=16, max_position_embeddings=4096)
+model = Model(cfg, init_params(cfg, jax.random.PRNGKey(0)), None)
+prompts = np.random.default_rng(0).integers(0, 128, size=(2, 700)).tolist()
+prompts[1] = prompts[1][:500]
+out = {}
+for name, policy in [("clusterkv", ClusterKV(budget=128, decode_interval=64, tokens_per_cluster=16)),
+                     ("clusterkv_offload", ClusterKV(budget=128, decode_interval=64, tokens_per_cluster=16, offload=True))]:
+    out[name] = generate(model, prompts, 70, policy=policy, stop_at_eos=False).tokens
+print(json.dumps({"x64": bool(jax.config.jax_enable_x64), "tokens": out}))
+"""
+
+
+def test_generation_is_the_same_with_jax_enable_x64():
+    """JAX_ENABLE_X64=1 (64-bit default ints and floats) once broke decoding (`dynamic_update_slice` with int32
+    and int64 indices; K-means seeds drawn in float64): ClusterKV, on device and offloaded, its decode-time
+    clustering included (70 new tokens past a 64-token interval), gives the same tokens with and without it."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO_ROOT
+
+    runs = {}
+    for flag in ("0", "1"):
+        env = {**os.environ, "JAX_ENABLE_X64": flag, "PYTHONPATH": REPO_ROOT}
+        proc = subprocess.run([sys.executable, "-c", _X64_SCRIPT], env=env, capture_output=True, text=True,
+                              timeout=600, cwd=REPO_ROOT)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[flag] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert runs["1"]["x64"] and not runs["0"]["x64"]
+    assert runs["1"]["tokens"] == runs["0"]["tokens"]

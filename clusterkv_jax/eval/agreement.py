@@ -9,7 +9,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from clusterkv_jax.eval.policies import make_policy
-from clusterkv_jax.eval.ppl import window_offsets
+from clusterkv_jax.eval.ppl import check_span, window_offsets
 from clusterkv_jax.generate import generate
 from clusterkv_jax.policies import FullKV
 
@@ -18,6 +18,7 @@ def run_agreement(model, token_ids: list[int], *, context: int, new_tokens: int,
                   budgets: list[int], policy_names: list[str], policy_options: dict[str, dict] | None = None,
                   progress: bool = True) -> dict[str, Any]:
     """Fraction of positions whose token equals full KV's, and of whole continuations that are identical."""
+    check_span(model.config, context, new_tokens, "--new-tokens")
     offsets = window_offsets(len(token_ids), context, samples)
     prompts = [token_ids[o : o + context] for o in offsets]
     reference = generate(model, prompts, new_tokens, FullKV(), stop_at_eos=False).tokens

@@ -50,6 +50,17 @@ def teacher_forced_nll(params, prompt, lengths, continuation, *, config: ModelCo
     return jnp.concatenate([first[:, None], rest.T], axis=1)
 
 
+def check_span(config, context: int, extra: int, extra_name: str) -> None:
+    """Refuses a context that is not a positive int, or a context + `extra` more tokens past the model's
+    `max_position_embeddings` (RoPE positions the model was not trained for give numbers, not errors)."""
+    if isinstance(context, bool) or not isinstance(context, (int, np.integer)) or context < 1:
+        raise ValueError(f"--context must be a positive number of tokens, got {context!r}")
+    limit = config.max_position_embeddings
+    if context + extra > limit:
+        raise ValueError(f"--context {context} + {extra_name} {extra} = {context + extra} tokens exceeds the model's "
+                         f"max_position_embeddings ({limit})")
+
+
 def window_offsets(num_tokens: int, span: int, windows: int) -> list[int]:
     """Start offsets of `windows` non-overlapping spans of `span` tokens, evenly spread over the text."""
     if span > num_tokens:
@@ -84,6 +95,7 @@ def run_ppl(model, token_ids: list[int], *, context: int, eval_tokens: int, budg
     """Perplexity per (policy, budget) and its difference to full KV, averaged over `windows` windows."""
     if eval_tokens < 2:
         raise ValueError("--eval-tokens must be >= 2")
+    check_span(model.config, context, eval_tokens, "--eval-tokens")
     offsets = window_offsets(len(token_ids), context + eval_tokens, windows)
     runs = [("full", None)] + [(n, b) for n in policy_names if n != "full" for b in budgets]
     results: dict[str, Any] = {"metric": "perplexity", "context": context, "eval_tokens": eval_tokens,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 from typing import Any
@@ -136,6 +137,9 @@ def run_recall(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Prefills `context` tokens, teacher-forces `steps` more, and scores every (policy, budget)."""
+    from clusterkv_jax.eval.ppl import check_span
+
+    check_span(model.config, context, steps, "--steps")
     if len(token_ids) < context + steps:
         raise ValueError(f"text has {len(token_ids)} tokens; --context {context} + --steps {steps} needs more")
     if steps < 1:
@@ -178,4 +182,17 @@ def format_table(results: dict[str, Any]) -> str:
 def write_json(results: dict[str, Any], path: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump(results, f, indent=2)
+        json.dump(json_safe(results), f, indent=2, allow_nan=False)
+
+
+def json_safe(obj: Any) -> Any:
+    """`obj` with every NaN or infinite float as None (JSON has no NaN: `json.dump` would write invalid JSON)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    if isinstance(obj, np.generic):
+        return json_safe(obj.item())
+    return obj

@@ -47,8 +47,10 @@ def write_outputs(results: dict[str, Any], out_dir: str, name: str, markdown: st
     """Writes NAME.json (results), NAME.md (markdown) and NAME.png (plot_to(path)) into out_dir; returns paths."""
     os.makedirs(out_dir, exist_ok=True)
     paths = {ext: os.path.join(out_dir, f"{name}.{ext}") for ext in ("json", "md", "png")}
+    from clusterkv_jax.eval.recall import json_safe
+
     with open(paths["json"], "w") as f:
-        json.dump(results, f, indent=2)
+        json.dump(json_safe(results), f, indent=2, allow_nan=False)
     with open(paths["md"], "w") as f:
         f.write(markdown)
     plot_to(paths["png"])

@@ -55,7 +55,7 @@ class ClusterIndex:
 
 
 def _exclusive_cumsum(x: jax.Array) -> jax.Array:
-    return jnp.cumsum(x, axis=-1) - x
+    return jnp.cumsum(x, axis=-1, dtype=x.dtype) - x  # dtype kept (int32 sums widen under x64)
 
 
 def rank_and_index(
@@ -279,7 +279,7 @@ class ClusterKV(KVPolicy):
             sizes=state.sizes.at[:, :, :C0].set(sizes),
             block_start=state.block_start.at[:, :, :C0].set(block_start),
             row_positions=row_positions,
-            next_block=first + jnp.sum(blocks, axis=-1),
+            next_block=first + jnp.sum(blocks, axis=-1, dtype=jnp.int32),
             clustered_upto=lengths.astype(jnp.int32),
             num_prompt_clusters=num_clusters,
         )
@@ -341,7 +341,7 @@ class ClusterKV(KVPolicy):
             block_start=jnp.where(is_due, put(state.block_start, block_start, slot), state.block_start),
             row_positions=_scatter_last(state.row_positions, jnp.where(is_due, rows, -1),
                                         (start[:, None, None] + order).astype(jnp.int32)),
-            next_block=jnp.where(due[:, None], state.next_block + jnp.sum(blocks, axis=-1), state.next_block),
+            next_block=jnp.where(due[:, None], state.next_block + jnp.sum(blocks, axis=-1, dtype=jnp.int32), state.next_block),
             recent_rows=jnp.where(is_due, recent_rows, R),
             clustered_upto=jnp.where(due, start + W, start),
         )

@@ -1,0 +1,247 @@
+"""Bad input as a new user would give it: each case ends in a one-line error that names the input and what was
+expected (exit 1 or 2, no traceback unless --debug) and leaves nothing behind; library calls raise a clear
+exception. The CLI cases run as subprocesses, as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from checkpoints_convert import convert_gguf, convert_hf
+from tests.helpers import REPO_ROOT
+from tests.test_convert import TINY_CONFIG, write_tiny_gguf, write_tiny_hf
+
+
+def run_cli(*args: str, module: str = "clusterkv_jax.cli", timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)}
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, env=env,
+                          cwd=REPO_ROOT, timeout=timeout)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str, codes=(1, 2)) -> None:
+    err = proc.stderr
+    assert proc.returncode in codes, (proc.returncode, err[-2000:])
+    assert "Traceback" not in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    for fragment in fragments:
+        assert fragment in last, f"{fragment!r} not in the error line {last!r}"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    """A converted tiny checkpoint (128 positions, a word-level tokenizer) and a text file beside it."""
+    root = tmp_path_factory.mktemp("tiny")
+    src = write_tiny_hf(root / "src")
+    dst = convert_hf(src, root / "model", dtype="float32")
+    (root / "text.txt").write_text("word " * 400, encoding="utf-8")
+    return dst
+
+
+# ---- the clusterkv command ----------------------------------------------------------------------------------
+
+
+def test_model_path_that_is_a_file(tmp_path):
+    f = tmp_path / "file.txt"
+    f.write_text("not a model")
+    assert_one_line_error(run_cli("generate", "--model", str(f), "--prompt", "hi"), "file.txt", "is a file")
+
+
+def test_eval_arguments_are_checked(tiny_model, tmp_path):
+    text = os.path.join(os.path.dirname(tiny_model), "text.txt")
+    base = ["eval", "recall", "--model", tiny_model, "--budgets", "16"]
+    # --text a directory
+    assert_one_line_error(run_cli(*base, "--text", str(tmp_path)), str(tmp_path), "is a directory")
+    # --context 0 and -5: refused by the parser (once: exit 0 with NaN tables and NaN in recall.json)
+    for bad in ("0", "-5"):
+        proc = run_cli(*base, "--text", text, "--context", bad)
+        assert_one_line_error(proc, "--context", f"expected a positive integer, got '{bad}'", codes=(2,))
+    # an unknown policy lists the valid ones
+    proc = run_cli(*base, "--text", text, "--policies", "nosuch")
+    assert_one_line_error(proc, "'nosuch'", "clusterkv", "quest", "streaming", codes=(2,))
+    # context + steps past max_position_embeddings (128 here)
+    proc = run_cli(*base, "--text", text, "--context", "120", "--steps", "16")
+    assert_one_line_error(proc, "--context 120 + --steps 16 = 136", "max_position_embeddings (128)")
+    proc = run_cli("eval", "ppl", "--model", tiny_model, "--text", text, "--context", "100", "--eval-tokens", "64",
+                   "--budgets", "16")
+    assert_one_line_error(proc, "--eval-tokens 64", "max_position_embeddings (128)")
+
+
+def test_unwritable_out_is_refused_before_any_work(tiny_model, tmp_path):
+    text = os.path.join(os.path.dirname(tiny_model), "text.txt")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    proc = run_cli("eval", "recall", "--model", tiny_model, "--text", text, "--context", "64", "--steps", "2",
+                   "--budgets", "16", "--out", str(blocker / "results"))
+    assert_one_line_error(proc, "--out", "a_file")
+    assert "recall" not in proc.stdout  # nothing was computed first
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    f = tmp_path / "file.txt"
+    f.write_text("x")
+    proc = run_cli("generate", "--model", str(f), "--prompt", "hi", "--debug")
+    assert proc.returncode != 0 and "Traceback" in proc.stderr
+
+
+def test_mesh_larger_than_the_machine_is_refused_before_placing_parameters(smollm2_converted_dir):
+    """`--mesh data=100` on CPU once copied 100 x 540 MB of parameters and was OOM-killed: now the replicas are
+    counted against the available memory first."""
+    from clusterkv_jax.sharding import available_memory_bytes, check_host_replicas_fit
+
+    with pytest.raises(ValueError, match="use a smaller data axis"):
+        check_host_replicas_fit("data=100", param_bytes=540_000_000, available=24_000_000_000)
+    check_host_replicas_fit("data=2,model=2", param_bytes=540_000_000, available=24_000_000_000)
+    if available_memory_bytes() is None or available_memory_bytes() > 100 * 540e6:
+        pytest.skip("this machine has the memory for 100 replicas")
+    proc = run_cli("generate", "--model", smollm2_converted_dir, "--prompt", "hi", "--mesh", "data=100",
+                   "--max-new-tokens", "2", timeout=120)
+    assert_one_line_error(proc, "data=100", "copies of the", "use a smaller data axis")
+
+
+def test_json_results_never_hold_nan(tmp_path):
+    from clusterkv_jax.eval.recall import write_json
+
+    path = tmp_path / "r.json"
+    write_json({"a": float("nan"), "b": [1.0, float("inf")], "c": {"d": np.float32("nan")}}, str(path))
+    assert json.loads(path.read_text()) == {"a": None, "b": [1.0, None], "c": {"d": None}}
+
+
+# ---- damaged checkpoints --------------------------------------------------------------------------------------
+
+
+def _copy_model(src: str, dst) -> str:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("config_null", "holds NoneType where a JSON object was expected"),
+    ("config_invalid", "config.json' is not valid JSON"),
+    ("params_empty", "is empty: the conversion did not finish"),
+    ("metadata_truncated", "truncated or corrupt"),
+    ("data_truncated", "truncated or corrupt"),
+])
+def test_damaged_checkpoint_gives_one_line(tiny_model, tmp_path, damage, message):
+    model = _copy_model(tiny_model, tmp_path / "model")
+    params = os.path.join(model, "params")
+    if damage == "config_null":
+        open(os.path.join(model, "config.json"), "w").write("null")
+    elif damage == "config_invalid":
+        open(os.path.join(model, "config.json"), "w").write('{"model_type": "llama",')
+    elif damage == "params_empty":
+        import shutil
+
+        shutil.rmtree(params)
+        os.mkdir(params)
+    elif damage == "metadata_truncated":
+        path = os.path.join(params, "_METADATA")
+        data = open(path, "rb").read()
+        open(path, "wb").write(data[: len(data) // 3])
+    else:  # the largest data file of the checkpoint, cut in half
+        files = [os.path.join(d, f) for d, _, fs in os.walk(params) for f in fs]
+        path = max(files, key=os.path.getsize)
+        data = open(path, "rb").read()
+        open(path, "wb").write(data[: len(data) // 2])
+    proc = run_cli("generate", "--model", model, "--prompt", "hi", "--max-new-tokens", "2")
+    if damage != "data_truncated":
+        assert_one_line_error(proc, message)
+        return
+    # Known gap: orbax's other background reads of the cut file may still print tracebacks ("Event loop is
+    # closed" from TensorStore's threads, "Task exception was never retrieved" from asyncio) around our line.
+    # The one-line error must be there, once, with the exit code.
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("clusterkv: error: params checkpoint")]
+    assert len(ours) == 1 and message in ours[0], proc.stderr[-2000:]
+
+
+def test_truncated_sources_are_named(tmp_path):
+    src = write_tiny_hf(tmp_path / "src")
+    path = os.path.join(src, "model.safetensors")
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2])
+    proc = run_cli("hf", src, str(tmp_path / "out"), module="checkpoints_convert")
+    assert_one_line_error(proc, "model.safetensors", "truncated or corrupt")
+    gguf_path = write_tiny_gguf(tmp_path / "m.gguf")
+    data = open(gguf_path, "rb").read()
+    open(gguf_path, "wb").write(data[: len(data) - 4000])
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        convert_gguf(gguf_path, tmp_path / "out2")
+    assert sorted(os.listdir(tmp_path)) == ["m.gguf", "src"]
+
+
+def test_destination_in_an_unwritable_place(tmp_path):
+    src = write_tiny_hf(tmp_path / "src")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    proc = run_cli("hf", src, str(blocker / "out"), module="checkpoints_convert")
+    assert_one_line_error(proc, "a_file")
+    assert blocker.read_text() == "x"
+
+
+# ---- the library ---------------------------------------------------------------------------------------------
+
+
+def test_generate_refuses_malformed_prompts(tiny_model):
+    from clusterkv_jax import generate, load_model
+
+    model = load_model(tiny_model)
+    with pytest.raises(TypeError, match="prompts must be a string"):
+        generate(model, None, 2)
+    with pytest.raises(TypeError, match="prompt 1 must be a string or a list of int token ids"):
+        generate(model, [[1, 2], [1.5, 2]], 2)
+    with pytest.raises(ValueError, match=r"prompt 0 is not valid Unicode text: surrogates not allowed at character 2"):
+        generate(model, "ab\ud800c", 2)
+    assert TINY_CONFIG["max_position_embeddings"] == 128
+
+
+def test_policy_fields_are_checked():
+    from clusterkv_jax import FullKV
+    from clusterkv_jax.eval.policies import make_policy
+
+    with pytest.raises(TypeError, match="full_layers"):
+        FullKV(full_layers=3)  # not a setting of FullKV (every layer is full)
+    for bad in ("abc", None, 512.0):
+        with pytest.raises(TypeError, match="ClusterKV.budget must be an int"):
+            make_policy("clusterkv", bad)
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), nonfinite=st.sampled_from([np.nan, np.inf, -np.inf]))
+def test_policy_indexes_stay_finite_with_nonfinite_padding(seed, nonfinite):
+    """ClusterKV's clusters and Quest's pages built from prompts whose padding rows (past each length) hold
+    NaN or inf and whose valid rows include zero keys: every float in the index is finite, and ClusterKV's
+    clusters hold exactly the tokens past the sinks."""
+    import jax
+    import jax.numpy as jnp
+
+    from clusterkv_jax import ClusterKV, Quest
+    from clusterkv_jax.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
+                      num_kv_heads=2, head_dim=16)
+    rng = np.random.default_rng(seed)
+    B, K, S, H = 2, 2, 96, 16
+    keys = rng.normal(size=(B, K, S, H)).astype(np.float32)
+    lengths = rng.integers(20, S + 1, size=B).astype(np.int32)
+    for b in range(B):
+        keys[b, :, lengths[b]:] = nonfinite
+        keys[b, :, rng.integers(0, lengths[b], size=5)] = 0.0
+    for policy in (ClusterKV(budget=32, sinks=4, tokens_per_cluster=8, decode_interval=16, decode_clusters=2),
+                   Quest(budget=32, page_size=8)):
+        state = policy.init_state(cfg, B, 128)
+        state = policy.after_prefill(state, jnp.asarray(keys), jnp.asarray(lengths))
+        for leaf in jax.tree.leaves(state):
+            if jnp.issubdtype(leaf.dtype, jnp.floating):
+                assert np.all(np.isfinite(np.asarray(leaf))), type(policy).__name__
+        if isinstance(policy, ClusterKV):
+            np.testing.assert_array_equal(np.asarray(state.sizes).sum(-1),
+                                          np.broadcast_to((lengths - 4)[:, None], (B, K)))
