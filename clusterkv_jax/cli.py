@@ -228,6 +228,10 @@ def _add_policy_flags(parser) -> None:
                              "(default: ClusterKV's)")
     parser.add_argument("--kmeans-iters", type=_positive_int, default=None, metavar="N",
                         help="ClusterKV: K-means iterations at most (default: ClusterKV's max_iters)")
+    parser.add_argument("--score", choices=["dot", "density"], default=None,
+                        help="ClusterKV's cluster score (default: ClusterKV's, 'dot' = q·mu as in the paper)")
+    parser.add_argument("--block-refine", type=_positive_int, default=None, metavar="F",
+                        help="ClusterKV: take clusters up to F x the budget, keep their best blocks (1: off)")
     parser.add_argument("--quest-sinks", type=_nonnegative_int, default=0, metavar="N",
                         help="Quest: always select the pages of the first N tokens (0: none, as in the Quest paper)")
 
@@ -239,6 +243,10 @@ def _policy_options(args) -> dict:
         clusterkv["kmeans_tol"] = args.kmeans_tol
     if args.kmeans_iters is not None:
         clusterkv["max_iters"] = args.kmeans_iters
+    if args.score is not None:
+        clusterkv["score"] = args.score
+    if args.block_refine is not None:
+        clusterkv["block_refine"] = args.block_refine
     return {"clusterkv": clusterkv, "quest": dict(sinks=args.quest_sinks)}
 
 

@@ -24,6 +24,7 @@ from clusterkv_jax.loading import Model
 from clusterkv_jax.model import forward_prefill, init_params
 from clusterkv_jax.cache import init_cache
 from clusterkv_jax.policies import ClusterKV, FullKV, Quest
+from tests.helpers import long_text
 
 CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
                   num_kv_heads=2, head_dim=16, max_position_embeddings=1024)
@@ -168,8 +169,10 @@ def test_cli_bench_decode_and_attention_write_tables_and_plots(smollm2_converted
     from clusterkv_jax.cli import main
 
     out = tmp_path / "bench"
+    text = tmp_path / "text.txt"  # explicit: the default ../shared/... depends on where the checkout lies
+    text.write_text(long_text()[:40_000], encoding="utf-8")
     assert main(["bench", "decode", "--model", smollm2_converted_dir, "--context", "100,200", "--decode", "4",
-                 "--budgets", "64", "--batch", "2", "--out", str(out)]) == 0
+                 "--budgets", "64", "--batch", "2", "--text", str(text), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "clusterkv@64" in printed and "quest@64" in printed and "measured bandwidth" in printed
     data = json.loads((out / "decode.json").read_text())
@@ -187,10 +190,13 @@ def test_cli_bench_decode_on_a_mesh_decodes_the_unsharded_tokens(smollm2_convert
     import subprocess
     import sys
 
+    text = tmp_path / "text.txt"
+    text.write_text(long_text()[:40_000], encoding="utf-8")
     tokens = {}
     for name, extra in (("one", []), ("mesh", ["--mesh", "data=2"])):
         out = tmp_path / name
         cmd = [sys.executable, "-m", "clusterkv_jax.cli", "bench", "decode", "--model", smollm2_converted_dir,
+               "--text", str(text),
                "--context", "150", "--decode", "6", "--budgets", "48", "--policies", "full,clusterkv",
                "--batch", "2", "--out", str(out), *extra]
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

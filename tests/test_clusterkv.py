@@ -376,3 +376,85 @@ def test_generate_refuses_nan_temperature_and_fractional_token_counts():
         Quest(budget=64.0)
     with pytest.raises(TypeError, match=r"StreamingLLM\.budget"):
         StreamingLLM(budget=64.5)
+
+
+@pytest.mark.parametrize("gqa", ["per_head", "shared"])
+def test_density_scores_equal_numpy(gqa):
+    """After prefill and 20 steps (decode-time clusters included), each cluster's stored per-channel variance is
+    NumPy's variance of its member keys (read back from the store layout), and the score of a random query is
+    NumPy's q·μ/√H + ½ Σ q²σ²/H (queries summed over the KV head's heads for "shared")."""
+    policy = ClusterKV(budget=64, score="density", gqa=gqa, **SMALL)
+    _, cache = run(policy, TOKENS, LENGTHS, steps=20)
+    H, K, G = CFG.head_dim, CFG.num_kv_heads, CFG.num_heads // CFG.num_kv_heads
+    q = np.random.default_rng(1).normal(size=(3, CFG.num_heads, H)).astype(np.float32)
+    for layer in range(2, 4):
+        state = _layer_state(cache, layer)
+        keys = _keys_by_position(cache, layer, state)
+        got = np.asarray(policy._scores(state, jnp.asarray(q)))  # [B, K, g, C]
+        for b in range(3):
+            for h in range(K):
+                members = _members(state, b, h)
+                assert len(members) > (LENGTHS[b] - 4) // 8 - 1  # prompt clusters and decode-time ones
+                qh = q[b, h * G:(h + 1) * G]
+                if gqa == "shared":
+                    q_dot, q_sq = qh.sum(0, keepdims=True), (qh * qh).sum(0, keepdims=True)
+                else:
+                    q_dot, q_sq = qh, qh * qh
+                for c, positions in members.items():
+                    member_keys = keys[b, h, sorted(positions)].astype(np.float64)
+                    mu, var = member_keys.mean(0), member_keys.var(0)
+                    np.testing.assert_allclose(np.asarray(state.centroids[b, h, c]), mu, atol=1e-5)
+                    np.testing.assert_allclose(np.asarray(state.variances[b, h, c]), var, atol=1e-4)
+                    want = q_dot @ mu / np.sqrt(H) + 0.5 * (q_sq @ var) / H
+                    np.testing.assert_allclose(got[b, h, :, c], want, rtol=1e-4, atol=1e-4)
+    assert _layer_state(run(ClusterKV(budget=64, **SMALL), TOKENS, LENGTHS, steps=0)[1], 2).variances.shape[-2] == 0
+
+
+@pytest.mark.parametrize("gqa", ["per_head", "shared"])
+def test_block_refine_selects_what_a_numpy_walk_selects(gqa):
+    """block_refine=2: NumPy takes clusters by q·μ until twice the budget (the last trimmed to its first rows),
+    scores each of their blocks by q·(mean of the keys the block holds), and takes blocks until the budget (the
+    last trimmed): the same positions as the policy, sinks aside."""
+    small = dict(sinks=4, tokens_per_cluster=32, decode_interval=16, decode_clusters=2, block_size=8)
+    policy = ClusterKV(budget=40, block_refine=2, gqa=gqa, **small)
+    _, cache = run(policy, TOKENS, LENGTHS, steps=0)
+    state = _layer_state(cache, 3)
+    keys = _keys_by_position(cache, 3, state)
+    q = np.asarray(jax.random.normal(jax.random.PRNGKey(1), (3, CFG.num_heads, CFG.head_dim)))
+    lengths = jnp.asarray(LENGTHS)
+    idx, mask = policy.selected_positions(state, jnp.asarray(q), None, lengths, lengths)
+    idx, mask = np.asarray(idx), np.asarray(mask)
+    G, bs, tokens = CFG.num_heads // CFG.num_kv_heads, 8, 36
+    pos = np.asarray(state.row_positions)
+    for b, L in enumerate(LENGTHS):
+        for n in range(CFG.num_heads if gqa == "per_head" else CFG.num_kv_heads):  # the selection's heads
+            h = n // G if gqa == "per_head" else n
+            qn = q[b, h * G:(h + 1) * G].sum(0) if gqa == "shared" else q[b, n]
+            sizes, starts = np.asarray(state.sizes[b, h]), np.asarray(state.block_start[b, h])
+            cent = np.asarray(state.centroids[b, h])
+            clusters = sorted(np.flatnonzero(sizes), key=lambda c: (-float(qn @ cent[c]), c))
+            candidates, left = [], 2 * tokens  # (block, rows taken) in stage-1 order
+            for c in clusters:
+                take = min(int(sizes[c]), left)
+                for j in range(-(-take // bs)):
+                    candidates.append((int(starts[c]) + j, min(bs, take - j * bs)))
+                left -= take
+                if left == 0:
+                    break
+
+            def block_score(block):
+                held = [p for p in pos[b, h, block * bs:(block + 1) * bs] if p >= 0]
+                return float(qn @ keys[b, h, held].mean(0))
+
+            order = sorted(range(len(candidates)), key=lambda i: (-block_score(candidates[i][0]), i))
+            want, left = set(), tokens
+            for i in order:
+                block, rows = candidates[i]
+                take = min(rows, left)
+                want |= {int(p) for p in pos[b, h, block * bs:block * bs + take]}
+                left -= take
+                if left == 0:
+                    break
+            chosen = set(idx[b, n][mask[b, n]].tolist()) - set(range(4))
+            assert chosen == want, (b, n)
+            assert len(chosen) == min(tokens, L - 4)

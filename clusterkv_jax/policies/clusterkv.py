@@ -37,7 +37,24 @@ from clusterkv_jax.kmeans import cosine_kmeans, problem_keys
 from clusterkv_jax.ops import per_shard, top_k_indices
 from clusterkv_jax.policies.base import KVPolicy
 from clusterkv_jax.store import Selection
-from pallas_kernels import cluster_to_block_index, cluster_to_block_index_reference, use_kernels
+from pallas_kernels import (
+    centroid_update_reference,
+    cluster_to_block_index,
+    cluster_to_block_index_reference,
+    use_kernels,
+)
+
+SCORES = ("dot", "density")
+
+
+def member_variances(keys: jax.Array, labels: jax.Array, centroids: jax.Array, sizes: jax.Array) -> jax.Array:
+    """Per-channel variance of each cluster's member keys: keys [..., n, H], labels [..., n] (>= C: no cluster),
+    centroids [..., C, H] (the members' mean), sizes [..., C] -> [..., C, H] float32 (0 for an empty cluster)."""
+    x = keys.astype(jnp.float32)
+    C = centroids.shape[-2]
+    squares, _ = centroid_update_reference(x * x, labels, C)
+    mean_square = squares / jnp.maximum(sizes, 1)[..., None].astype(jnp.float32)
+    return jnp.where(sizes[..., None] > 0, jnp.maximum(mean_square - centroids * centroids, 0.0), 0.0)
 
 
 @flax.struct.dataclass
@@ -52,6 +69,8 @@ class ClusterIndex:
     recent_rows: jax.Array  # [B, K, W] int32 rows the last clustered window moved to (by offset in the window)
     clustered_upto: jax.Array  # [B] int32 positions < this are sinks or clustered; the rest are the window
     num_prompt_clusters: jax.Array  # [B] int32 C0 of each sequence (decode-time clusters follow)
+    variances: jax.Array  # [B, K, C, H] float32 per-channel variance of member keys ([B, K, 0, H]: score "dot")
+    block_means: jax.Array  # [B, K, R // bs, H] float32 mean key of each store block's rows ([B, K, 0, H]: no refine)
 
 
 def _exclusive_cumsum(x: jax.Array) -> jax.Array:
@@ -113,6 +132,15 @@ def _layout_rows(labels, sizes, block_start, block_size: int, num_clusters: int)
     return order, jnp.where(sorted_labels < num_clusters, rows, -1)
 
 
+def _block_means(block_means, keys, rows, block_size: int):
+    """block_means [B, K, nb, H] with the blocks holding `rows` [B, K, n] (-1: none) set to the mean of their
+    rows' keys [B, K, n, H] (the other blocks kept)."""
+    nb = block_means.shape[-2]
+    block = jnp.where(rows >= 0, rows // block_size, nb)
+    sums, counts = centroid_update_reference(keys.astype(jnp.float32), block, nb)
+    return jnp.where(counts[..., None] > 0, sums / jnp.maximum(counts, 1)[..., None].astype(jnp.float32), block_means)
+
+
 def _scatter_last(x, index, values):
     """x [B, K, m].at[index [B, K, n]].set(values), negative or out-of-range indices dropped."""
     index = jnp.where(index < 0, x.shape[-1], index)
@@ -141,6 +169,15 @@ class ClusterKV(KVPolicy):
     seed: int = 0
     offload: bool = False
     cache_steps: int = 1
+    #: How clusters are ranked at decode. "dot": q·μ (the paper). "density": q·μ/√H + ½ Σ_h q_h² σ_h² / H, the log
+    #: of a member's mean exp(q·k/√H) if member keys were Gaussian with the cluster's per-channel variance σ²
+    #: (mass per token: what a token budget filled greedily should rank by); it keeps σ² per cluster (as much
+    #: memory as the centroids).
+    score: str = "dot"
+    #: 1: select whole clusters (the paper). f >= 2: take clusters in score order until f times the budget, then
+    #: keep the best blocks among theirs by q·(mean key of the block), the last trimmed: finer than clusters, at
+    #: the cost of a mean key per store block (1/16 of the keys at block_size 16) and scoring f·B/16 blocks.
+    block_refine: int = 1
     #: Rows per block of the store layout: selections read whole blocks.
     block_size: int = 16
     #: "auto" (Pallas kernels on CUDA sm80+, pure JAX elsewhere), "pallas", "reference", or "interpret"
@@ -171,6 +208,10 @@ class ClusterKV(KVPolicy):
             raise ValueError(f"max_iters must be >= 1, got {self.max_iters}")
         if self.init not in ("random", "kmeans++"):
             raise ValueError(f"init must be 'random' or 'kmeans++', got {self.init!r}")
+        if self.block_refine < 1:
+            raise ValueError(f"block_refine must be >= 1, got {self.block_refine}")
+        if self.score not in SCORES:
+            raise ValueError(f"score must be one of {', '.join(SCORES)}, got {self.score!r}")
         if self.gqa not in ("per_head", "shared"):
             raise ValueError(f"gqa must be 'per_head' or 'shared', got {self.gqa!r}")
         if self.cache_steps < 0:
@@ -198,9 +239,10 @@ class ClusterKV(KVPolicy):
         per_token = max(capacity // self.tokens_per_cluster, capacity * self.decode_clusters // self.decode_interval)
         return 1 + per_token + self.decode_clusters
 
-    def block_slots(self) -> int:
-        """Mb: the blocks a selection may read (see the module docstring)."""
-        tokens = self.budget - self.sinks
+    def block_slots(self, tokens: int | None = None) -> int:
+        """Mb: the blocks a selection of `tokens` (default: the budget past the sinks) may read (see the module
+        docstring)."""
+        tokens = self.budget - self.sinks if tokens is None else tokens
         return -(-tokens // self.block_size) + -(-tokens // self.tokens_per_cluster) + 4
 
     def _first_block(self) -> int:
@@ -221,7 +263,8 @@ class ClusterKV(KVPolicy):
 
     def metadata_bytes(self, config, context):
         clusters = max(1, (context - self.sinks) // self.tokens_per_cluster)
-        return config.num_kv_heads * clusters * config.head_dim * 4  # float32 centroids
+        per_cluster = 2 if self.score != "dot" else 1  # float32 centroids (and variances)
+        return config.num_kv_heads * clusters * config.head_dim * 4 * per_cluster
 
     def window_size(self, capacity: int) -> int:
         return self.decode_interval
@@ -241,6 +284,8 @@ class ClusterKV(KVPolicy):
             recent_rows=jnp.full((B, K, self.decode_interval), R, jnp.int32),
             clustered_upto=zi(B),
             num_prompt_clusters=zi(B),
+            variances=jnp.zeros((B, K, C if self.score != "dot" else 0, H), jnp.float32),
+            block_means=jnp.zeros((B, K, R // self.block_size if self.block_refine > 1 else 0, H), jnp.float32),
         )
 
     def after_prefill(self, state: ClusterIndex, keys, lengths):
@@ -274,7 +319,15 @@ class ClusterKV(KVPolicy):
         sink_rows = jnp.where(sink_pos[None, :] < lengths[:, None], self._first_block() * bs + sink_pos, -1)
         row_positions = _scatter_last(row_positions, jnp.broadcast_to(sink_rows[:, None], (B, K, self.sinks)),
                                       jnp.broadcast_to(sink_pos, (B, K, self.sinks)))
+        variances = state.variances
+        if self.score != "dot":
+            variances = variances.at[:, :, :C0].set(member_variances(keys, result.labels, result.centroids, sizes))
+        block_means = state.block_means
+        if self.block_refine > 1:
+            block_means = _block_means(block_means, jnp.take_along_axis(keys, order[..., None], axis=-2), rows, bs)
         return state.replace(
+            variances=variances,
+            block_means=block_means,
             centroids=state.centroids.at[:, :, :C0].set(result.centroids),
             sizes=state.sizes.at[:, :, :C0].set(sizes),
             block_start=state.block_start.at[:, :, :C0].set(block_start),
@@ -335,7 +388,17 @@ class ClusterKV(KVPolicy):
         put = jax.vmap(lambda a, x, at: jax.lax.dynamic_update_slice_in_dim(a, x, at, axis=1))
         is_due = due[:, None, None]
         recent_rows = _scatter_last(jnp.full((B, K, W), R, jnp.int32), order, rows)
+        variances = state.variances
+        if self.score != "dot":
+            new_variances = member_variances(recent, result.labels, result.centroids, sizes)
+            variances = jnp.where(is_due[..., None], put(variances, new_variances, slot), variances)
+        block_means = state.block_means
+        if self.block_refine > 1:  # the new blocks only (rows -1 where a sequence is not due)
+            block_means = _block_means(block_means, jnp.take_along_axis(recent, order[..., None], axis=-2),
+                                       jnp.where(is_due, rows, -1), bs)
         return state.replace(
+            variances=variances,
+            block_means=block_means,
             centroids=jnp.where(is_due[..., None], put(state.centroids, result.centroids, slot), state.centroids),
             sizes=jnp.where(is_due, put(state.sizes, sizes, slot), state.sizes),
             block_start=jnp.where(is_due, put(state.block_start, block_start, slot), state.block_start),
@@ -360,15 +423,21 @@ class ClusterKV(KVPolicy):
         return type(kv)(jax.lax.cond(jnp.any(due), move, lambda s: s, kv.store), kv.index, kv.positions)
 
     def _scores(self, state: ClusterIndex, q):
-        """q·μ of every cluster: [B, K, G, C] per query head, or [B, K, 1, C] for the sum of a KV head's queries
-        (what `gqa="shared"` ranks by: summing the queries first is one matrix-vector product per KV head)."""
+        """Every cluster's score (`score`): [B, K, G, C] per query head, or [B, K, 1, C] for the sum over a KV
+        head's queries (what `gqa="shared"` ranks by: summing the queries first is one matrix-vector product per
+        KV head; the variance term sums q_h² over the heads, likewise)."""
         B, N, H = q.shape
         K = state.centroids.shape[1]
         qg = q.reshape(B, K, N // K, H).astype(jnp.float32)
+        q2 = qg * qg
         if self.gqa == "shared":
-            qg = jnp.sum(qg, axis=2, keepdims=True)
+            qg, q2 = jnp.sum(qg, axis=2, keepdims=True), jnp.sum(q2, axis=2, keepdims=True)
         # Centroids as the left operand: a [C, H] x [H, G] product per KV head.
-        return jnp.swapaxes(jnp.einsum("BKCH,BKGH->BKCG", state.centroids, qg), -1, -2)
+        dot = jnp.swapaxes(jnp.einsum("BKCH,BKGH->BKCG", state.centroids, qg), -1, -2)
+        if self.score == "dot":
+            return dot
+        spread = jnp.swapaxes(jnp.einsum("BKCH,BKGH->BKCG", state.variances, q2), -1, -2)
+        return dot / H ** 0.5 + 0.5 * spread / H
 
     def select(self, state: ClusterIndex, q, keys, lengths, prompt_lengths) -> Selection:
         """Sink blocks, then the blocks of the top clusters: starts [B, h, ns + Mb], mask [B, h, ns + Mb, bs],
@@ -379,10 +448,13 @@ class ClusterKV(KVPolicy):
         K, g = scores.shape[1], scores.shape[2]
         ranked = lambda x: jnp.broadcast_to(x[:, :, None], scores.shape)  # noqa: E731
         tokens = self.budget - self.sinks
-        # Usually ~tokens / tokens_per_cluster clusters fill the budget: rank twice that many first.
-        first = 2 * -(-tokens // self.tokens_per_cluster) + 4
-        blocks, rows = rank_and_index(scores, ranked(state.sizes), ranked(state.block_start), tokens, Mb, bs,
-                                      kernel=self.kernel, first=first)  # [B, K, g, Mb]
+        wanted = tokens * self.block_refine  # the clusters' tokens to take (refined to `tokens` below)
+        # Usually ~wanted / tokens_per_cluster clusters fill it: rank twice that many first.
+        first = 2 * -(-wanted // self.tokens_per_cluster) + 4
+        blocks, rows = rank_and_index(scores, ranked(state.sizes), ranked(state.block_start), wanted,
+                                      self.block_slots(wanted), bs, kernel=self.kernel, first=first)  # [B, K, g, *]
+        if self.block_refine > 1:
+            blocks, rows = self._refine(state, q, blocks, rows, tokens, Mb)  # [B, K, g, Mb]
         offsets = jnp.arange(bs, dtype=jnp.int32)
         mask = offsets < rows[..., None]  # [B, K, g, Mb, bs]
         # The sinks: positions i * bs + r of sink block i, while inside the prompt (and the sequence).
@@ -393,6 +465,18 @@ class ClusterKV(KVPolicy):
         mask = jnp.concatenate([jnp.broadcast_to(sink_mask[:, None, None], (B, K, g, ns, bs)), mask], axis=-2)
         return Selection(starts=starts.reshape(B, K * g, ns + Mb), mask=mask.reshape(B, K * g, ns + Mb, bs),
                          chunk=bs)
+
+    def _refine(self, state: ClusterIndex, q, blocks, rows, tokens: int, slots: int):
+        """The best blocks of the candidate clusters' blocks [B, K, g, M] (rows used in each: rows), by q·(block
+        mean key), taken until `tokens` rows (the last trimmed) -> blocks, rows [B, K, g, slots]."""
+        B, N, H = q.shape
+        K, g, M = blocks.shape[1], blocks.shape[2], blocks.shape[3]
+        qg = q.reshape(B, K, N // K, H).astype(jnp.float32)
+        if self.gqa == "shared":
+            qg = jnp.sum(qg, axis=2, keepdims=True)
+        means = jnp.take_along_axis(state.block_means, blocks.reshape(B, K, g * M)[..., None], axis=-2)
+        block_scores = jnp.einsum("BKgMH,BKgH->BKgM", means.reshape(B, K, g, M, H), qg)
+        return rank_and_index(block_scores, rows, blocks, tokens, slots, self.block_size, kernel=self.kernel)
 
     def selection_positions(self, state: ClusterIndex, selection: Selection):
         B, h, n = selection.starts.shape
