@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from checkpoints_convert import DTYPES, convert_gguf, convert_hf
+from clusterkv_jax.cli import run_reporting_errors
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,21 +30,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     convert = convert_hf if args.format == "hf" else convert_gguf
-    try:
-        dst = convert(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite)
-    except KeyboardInterrupt:
-        if args.debug:
-            raise
-        print("interrupted: nothing was written", file=sys.stderr)
-        return 130
-    except Exception as error:  # noqa: BLE001 -- one line for the user; --debug shows the traceback
-        if args.debug:
-            raise
-        known = isinstance(error, (ValueError, OSError))
-        print(f"error: {error}" if known else f"error ({type(error).__name__}): {error}", file=sys.stderr)
-        return 1
-    print(dst)
-    return 0
+
+    def run() -> int:
+        print(convert(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite))
+        return 0
+
+    return run_reporting_errors(run, debug=args.debug, prefix="", error_code=1,
+                                interrupted="interrupted: nothing was written")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
-from clusterkv_jax.config import ModelConfig
+from clusterkv_jax.config import ModelConfig, read_json_object
 from clusterkv_jax.model import param_shapes
 
 DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32)}
@@ -355,13 +355,4 @@ def write_json(path: str, obj: Any) -> None:
         f.write("\n")
 
 
-def read_json(path: str) -> Any:
-    """A JSON object from `path`; a ValueError naming the file when it is not valid JSON or not an object."""
-    with open(path, encoding="utf-8") as f:
-        try:
-            obj = json.load(f)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise ValueError(f"{path!r} is not valid JSON: {error}") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"{path!r} holds {type(obj).__name__} where a JSON object was expected")
-    return obj
+read_json = read_json_object

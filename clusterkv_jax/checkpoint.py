@@ -79,7 +79,7 @@ def load_params(
             return np.empty(meta.shape, leaf_dtype)
         return jax.ShapeDtypeStruct(meta.shape, leaf_dtype, sharding=sharding)
 
-    if not os.path.isfile(os.path.join(path, "_CHECKPOINT_METADATA")) and not os.listdir(path):
+    if not os.listdir(path):
         raise ValueError(f"params checkpoint {path!r} is empty: the conversion did not finish; convert again")
     try:
         with ocp.StandardCheckpointer() as checkpointer:

@@ -134,24 +134,23 @@ def cmd_demo(args) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _int_at_least(minimum: int):
+    """An argparse type: an integer >= minimum, else a message naming the value."""
+    expected = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _nonnegative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
+_positive_int, _nonnegative_int = _int_at_least(1), _int_at_least(0)
 
 
 def _policy_list(text: str) -> list[str]:
@@ -624,12 +623,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def run_reporting_errors(run, *, debug: bool, prefix: str, error_code: int, interrupted: str) -> int:
+    """run() -> exit code; an error becomes one line `{prefix}error: ...` and `error_code`, Ctrl-C the line
+    `interrupted` and 130; with `debug`, both raise (the traceback). Shared by both command-line tools."""
+    try:
+        return run()
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(interrupted, file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 -- one line for the user; --debug shows the traceback
+        if debug:
+            raise
+        kind = "" if isinstance(e, (ValueError, TypeError, OSError)) else f" ({type(e).__name__})"
+        print(f"{prefix}error{kind}: {e}", file=sys.stderr)
+        return error_code
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv  # accepted anywhere on the line, not only before the command
     args = build_parser().parse_args([a for a in argv if a != "--debug"])
     args.debug = debug
-    try:
+
+    def run() -> int:
         _check_outputs(args)
         if getattr(args, "document_file", None):
             _check_text_file(args.document_file)
@@ -638,17 +656,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             args.document_text = None
         return args.func(args)
-    except KeyboardInterrupt:
-        if args.debug:
-            raise
-        print("clusterkv: interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:  # noqa: BLE001 -- one line for the user; --debug shows the traceback
-        if args.debug:
-            raise
-        known = isinstance(e, (ValueError, TypeError, OSError))
-        print(f"clusterkv: error: {e}" if known else f"clusterkv: error ({type(e).__name__}): {e}", file=sys.stderr)
-        return 2
+
+    return run_reporting_errors(run, debug=debug, prefix="clusterkv: ", error_code=2,
+                                interrupted="clusterkv: interrupted")
 
 
 if __name__ == "__main__":

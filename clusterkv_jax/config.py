@@ -128,14 +128,19 @@ class ModelConfig:
         cfg_path = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_path):
             raise FileNotFoundError(f"no config.json in {os.fspath(path)!r}: not an HF or clusterkv checkpoint directory")
-        with open(cfg_path, encoding="utf-8") as f:
-            try:
-                hf = json.load(f)
-            except (json.JSONDecodeError, UnicodeDecodeError) as error:
-                raise ValueError(f"{cfg_path!r} is not valid JSON: {error}") from None
-        if not isinstance(hf, dict):
-            raise ValueError(f"{cfg_path!r} holds {type(hf).__name__} where a JSON object was expected")
-        return cls.from_hf_dict(hf)
+        return cls.from_hf_dict(read_json_object(cfg_path))
+
+
+def read_json_object(path: str) -> dict[str, Any]:
+    """A JSON object from `path`; a ValueError naming the file when it is not valid JSON or not an object."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            obj = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ValueError(f"{path!r} is not valid JSON: {error}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path!r} holds {type(obj).__name__} where a JSON object was expected")
+    return obj
 
 
 def _parse_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling]:

@@ -114,8 +114,13 @@ def kmeans_from_directions(
     """Lloyd iterations under cosine similarity from given initial cluster directions. Each problem stops (and
     keeps its labels and directions) once at most a fraction `tol` of its valid keys changed cluster in an
     iteration (0: none changed), or at `max_iters`; `iterations` is the most any problem ran."""
-    C = init_directions.shape[-2]
     x, valid = _finite_keys(keys, valid)
+    return _lloyd(x, valid, num_clusters, init_directions, max_iters, kernel, tol)
+
+
+def _lloyd(x, valid, num_clusters, init_directions, max_iters: int, kernel: str, tol: float) -> KMeansResult:
+    """`kmeans_from_directions` on keys already made finite (`_finite_keys`)."""
+    C = init_directions.shape[-2]
     unit = _normalize(x)
     ok = cluster_mask(num_clusters, C)
     directions = _normalize(init_directions.astype(jnp.float32))
@@ -214,7 +219,7 @@ def cosine_kmeans(
         directions = init_kmeans_plus_plus(keys, valid, max_clusters, rngs)
     else:
         raise ValueError(f"unknown init {init!r}; use 'random' or 'kmeans++'")
-    return kmeans_from_directions(keys, valid, num_clusters, directions, max_iters=max_iters, kernel=kernel, tol=tol)
+    return _lloyd(keys, valid, num_clusters, directions, max_iters, kernel, tol)
 
 
 def cosine_objective(keys: jax.Array, valid: jax.Array, labels: jax.Array, directions: jax.Array) -> jax.Array:

@@ -180,14 +180,11 @@ def check_mesh_for_model(spec, model_dir: str, dtype) -> None:
     when JAX's devices are CPUs; before any parameter is read."""
     if jax.devices()[0].platform != "cpu":
         return
-    from clusterkv_jax.config import ModelConfig
+    from clusterkv_jax.config import ModelConfig, read_json_object
 
     config = ModelConfig.from_dir(model_dir)
     if dtype is None:
-        import json
-
-        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
-            stored = json.load(f).get("clusterkv", {})
+        stored = read_json_object(os.path.join(model_dir, "config.json")).get("clusterkv")
         dtype = stored.get("dtype", "float32") if isinstance(stored, dict) else "float32"
     check_host_replicas_fit(spec, param_bytes(config, dtype))
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import sys
 from typing import Any
@@ -26,6 +25,7 @@ from tqdm.auto import tqdm
 from clusterkv_jax.attention import decode_attention
 from clusterkv_jax.cache import init_cache
 from clusterkv_jax.eval.policies import make_policy
+from clusterkv_jax.eval.report import json_safe
 from clusterkv_jax.generate import bucket_length, cache_capacity, decode_step, prefill
 from clusterkv_jax.policies.base import KVPolicy
 
@@ -184,15 +184,3 @@ def write_json(results: dict[str, Any], path: str) -> None:
     with open(path, "w") as f:
         json.dump(json_safe(results), f, indent=2, allow_nan=False)
 
-
-def json_safe(obj: Any) -> Any:
-    """`obj` with every NaN or infinite float as None (JSON has no NaN: `json.dump` would write invalid JSON)."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [json_safe(v) for v in obj]
-    if isinstance(obj, np.generic):
-        return json_safe(obj.item())
-    return obj

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
@@ -47,8 +48,6 @@ def write_outputs(results: dict[str, Any], out_dir: str, name: str, markdown: st
     """Writes NAME.json (results), NAME.md (markdown) and NAME.png (plot_to(path)) into out_dir; returns paths."""
     os.makedirs(out_dir, exist_ok=True)
     paths = {ext: os.path.join(out_dir, f"{name}.{ext}") for ext in ("json", "md", "png")}
-    from clusterkv_jax.eval.recall import json_safe
-
     with open(paths["json"], "w") as f:
         json.dump(json_safe(results), f, indent=2, allow_nan=False)
     with open(paths["md"], "w") as f:
@@ -63,3 +62,16 @@ def write_report(results: dict[str, Any], out_dir: str, name: str, tables: dict[
     markdown = f"# {title}\n\n" + "".join(
         f"## {metric}\n\n{markdown_table(table, fmt)}\n\n" for metric, table in tables.items())
     return write_outputs(results, out_dir, name, markdown, lambda path: plot(tables, path, title))
+
+
+def json_safe(obj: Any) -> Any:
+    """`obj` with every NaN or infinite float as None (JSON has no NaN: `json.dump` would write invalid JSON)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    if hasattr(obj, "item") and getattr(obj, "ndim", None) == 0:
+        return json_safe(obj.item())
+    return obj

@@ -47,13 +47,18 @@ from pallas_kernels import (
 SCORES = ("dot", "density")
 
 
+def _segment_means(x: jax.Array, segments: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
+    """Mean of x [..., m, H] (float32) per segment [..., m] (outside [0, n): none) -> [..., n, H] (0 for an empty
+    segment) and the counts [..., n]."""
+    sums, counts = centroid_update_reference(x.astype(jnp.float32), segments, n)
+    return sums / jnp.maximum(counts, 1)[..., None].astype(jnp.float32), counts
+
+
 def member_variances(keys: jax.Array, labels: jax.Array, centroids: jax.Array, sizes: jax.Array) -> jax.Array:
     """Per-channel variance of each cluster's member keys: keys [..., n, H], labels [..., n] (>= C: no cluster),
     centroids [..., C, H] (the members' mean), sizes [..., C] -> [..., C, H] float32 (0 for an empty cluster)."""
     x = keys.astype(jnp.float32)
-    C = centroids.shape[-2]
-    squares, _ = centroid_update_reference(x * x, labels, C)
-    mean_square = squares / jnp.maximum(sizes, 1)[..., None].astype(jnp.float32)
+    mean_square, _ = _segment_means(x * x, labels, centroids.shape[-2])
     return jnp.where(sizes[..., None] > 0, jnp.maximum(mean_square - centroids * centroids, 0.0), 0.0)
 
 
@@ -136,9 +141,8 @@ def _block_means(block_means, keys, rows, block_size: int):
     """block_means [B, K, nb, H] with the blocks holding `rows` [B, K, n] (-1: none) set to the mean of their
     rows' keys [B, K, n, H] (the other blocks kept)."""
     nb = block_means.shape[-2]
-    block = jnp.where(rows >= 0, rows // block_size, nb)
-    sums, counts = centroid_update_reference(keys.astype(jnp.float32), block, nb)
-    return jnp.where(counts[..., None] > 0, sums / jnp.maximum(counts, 1)[..., None].astype(jnp.float32), block_means)
+    means, counts = _segment_means(keys, jnp.where(rows >= 0, rows // block_size, nb), nb)
+    return jnp.where(counts[..., None] > 0, means, block_means)
 
 
 def _scatter_last(x, index, values):
@@ -264,7 +268,8 @@ class ClusterKV(KVPolicy):
     def metadata_bytes(self, config, context):
         clusters = max(1, (context - self.sinks) // self.tokens_per_cluster)
         per_cluster = 2 if self.score != "dot" else 1  # float32 centroids (and variances)
-        return config.num_kv_heads * clusters * config.head_dim * 4 * per_cluster
+        blocks = -(-self.store_rows(context) // self.block_size) if self.block_refine > 1 else 0  # block means
+        return config.num_kv_heads * (clusters * per_cluster + blocks) * config.head_dim * 4
 
     def window_size(self, capacity: int) -> int:
         return self.decode_interval
@@ -426,18 +431,22 @@ class ClusterKV(KVPolicy):
         """Every cluster's score (`score`): [B, K, G, C] per query head, or [B, K, 1, C] for the sum over a KV
         head's queries (what `gqa="shared"` ranks by: summing the queries first is one matrix-vector product per
         KV head; the variance term sums q_h² over the heads, likewise)."""
-        B, N, H = q.shape
-        K = state.centroids.shape[1]
-        qg = q.reshape(B, K, N // K, H).astype(jnp.float32)
-        q2 = qg * qg
-        if self.gqa == "shared":
-            qg, q2 = jnp.sum(qg, axis=2, keepdims=True), jnp.sum(q2, axis=2, keepdims=True)
+        H, K = q.shape[-1], state.centroids.shape[1]
         # Centroids as the left operand: a [C, H] x [H, G] product per KV head.
-        dot = jnp.swapaxes(jnp.einsum("BKCH,BKGH->BKCG", state.centroids, qg), -1, -2)
+        per_cluster = lambda table, queries: jnp.swapaxes(  # noqa: E731
+            jnp.einsum("BKCH,BKGH->BKCG", table, queries), -1, -2)
+        dot = per_cluster(state.centroids, self._grouped(q, K, lambda x: x))
         if self.score == "dot":
             return dot
-        spread = jnp.swapaxes(jnp.einsum("BKCH,BKGH->BKCG", state.variances, q2), -1, -2)
+        spread = per_cluster(state.variances, self._grouped(q, K, lambda x: x * x))
         return dot / H ** 0.5 + 0.5 * spread / H
+
+    def _grouped(self, q, K: int, f):
+        """f(q) [B, N, H] as [B, K, G, H] float32 by KV head, or [B, K, 1, H] summed over a KV head's query heads
+        (gqa "shared")."""
+        B, N, H = q.shape
+        x = f(q.reshape(B, K, N // K, H).astype(jnp.float32))
+        return jnp.sum(x, axis=2, keepdims=True) if self.gqa == "shared" else x
 
     def select(self, state: ClusterIndex, q, keys, lengths, prompt_lengths) -> Selection:
         """Sink blocks, then the blocks of the top clusters: starts [B, h, ns + Mb], mask [B, h, ns + Mb, bs],
@@ -469,11 +478,9 @@ class ClusterKV(KVPolicy):
     def _refine(self, state: ClusterIndex, q, blocks, rows, tokens: int, slots: int):
         """The best blocks of the candidate clusters' blocks [B, K, g, M] (rows used in each: rows), by q·(block
         mean key), taken until `tokens` rows (the last trimmed) -> blocks, rows [B, K, g, slots]."""
-        B, N, H = q.shape
+        B, _, H = q.shape
         K, g, M = blocks.shape[1], blocks.shape[2], blocks.shape[3]
-        qg = q.reshape(B, K, N // K, H).astype(jnp.float32)
-        if self.gqa == "shared":
-            qg = jnp.sum(qg, axis=2, keepdims=True)
+        qg = self._grouped(q, K, lambda x: x)
         means = jnp.take_along_axis(state.block_means, blocks.reshape(B, K, g * M)[..., None], axis=-2)
         block_scores = jnp.einsum("BKgMH,BKgH->BKgM", means.reshape(B, K, g, M, H), qg)
         return rank_and_index(block_scores, rows, blocks, tokens, slots, self.block_size, kernel=self.kernel)
