@@ -10,7 +10,7 @@ import contextlib
 import os
 import signal
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -81,33 +81,60 @@ def load_params(
 
     if not os.listdir(path):
         raise ValueError(f"params checkpoint {path!r} is empty: the conversion did not finish; convert again")
+    # Silenced from before the restore: a damaged file fails one read, orbax's loop closes, and the other reads
+    # still in flight fail after it, some before our error is raised.
+    remove_silencers = _silence_failed_restore_echoes()
     try:
         with ocp.StandardCheckpointer() as checkpointer:
             metadata = checkpointer.metadata(path).item_metadata.tree
-            return checkpointer.restore(path, jax.tree.map(target, metadata))
+            params = checkpointer.restore(path, jax.tree.map(target, metadata))
     except Exception as error:  # noqa: BLE001 -- TensorStore raises bare Exceptions for damaged data
         # orbax and TensorStore explain a damaged file in a long spec dump; the first line says what failed.
         text = str(error).split("See full TensorStore details")[0].strip()
         first = text.splitlines()[0][:300] if text else type(error).__name__
-    # orbax's other reads of the damaged checkpoint fail too, after its event loop has closed. Unawaited, each
-    # would print "Exception ignored in <coroutine _read_array_index_and_device_put>" and a traceback when
-    # collected: dropped. (Their TensorStore callbacks may still print "RuntimeError: Event loop is closed"
-    # from TensorStore's own threads, which no Python hook sees.)
-    _ignore_unraisable_from("_read_array_index_and_device_put")
+    else:
+        remove_silencers()
+        return params
     raise ValueError(f"params checkpoint {path!r} is truncated or corrupt ({first}); convert the model again")
 
 
-def _ignore_unraisable_from(qualname: str) -> None:
-    """From now on, drop the unraisable exceptions of coroutines named `qualname` (others go on as before)."""
+def _silence_failed_restore_echoes() -> Callable[[], None]:
+    """Drops the echoes of a restore that failed on damaged data (other reports go on as before); returns the
+    function that removes the filters again.
+
+    When one read of a damaged checkpoint fails, orbax's event loop closes while its other reads are in flight.
+    Each of those would print a traceback around our one-line error: an unawaited coroutine
+    (`_read_array_index_and_device_put`) or a future whose exception nobody retrieved (asyncio's logger), and
+    TensorStore's threads completing a read call `call_soon_threadsafe` on the closed loop, which raises "Event
+    loop is closed" as an unraisable exception with no object.
+    """
+    import asyncio
+    import logging
     import sys
 
     previous = sys.unraisablehook
-    if getattr(previous, "ignored", None) == qualname:
-        return
+
+    def is_echo(unraisable) -> bool:
+        if getattr(unraisable.object, "__qualname__", "") == "_read_array_index_and_device_put":
+            return True
+        error = unraisable.exc_value
+        return (unraisable.object is None and isinstance(error, RuntimeError)
+                and str(error) == "Event loop is closed")
 
     def hook(unraisable):
-        if getattr(unraisable.object, "__qualname__", "") != qualname:
+        if not is_echo(unraisable):
             previous(unraisable)
 
-    hook.ignored = qualname
+    def not_a_lost_read(record: logging.LogRecord) -> bool:
+        # "Future exception was never retrieved", "_GatheringFuture ...", "Task ...": the failed reads' futures.
+        return "exception was never retrieved" not in record.getMessage()
+
     sys.unraisablehook = hook
+    asyncio.log.logger.addFilter(not_a_lost_read)
+
+    def remove() -> None:
+        if sys.unraisablehook is hook:
+            sys.unraisablehook = previous
+        asyncio.log.logger.removeFilter(not_a_lost_read)
+
+    return remove

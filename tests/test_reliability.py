@@ -152,15 +152,45 @@ def test_damaged_checkpoint_gives_one_line(tiny_model, tmp_path, damage, message
         data = open(path, "rb").read()
         open(path, "wb").write(data[: len(data) // 2])
     proc = run_cli("generate", "--model", model, "--prompt", "hi", "--max-new-tokens", "2")
-    if damage != "data_truncated":
-        assert_one_line_error(proc, message)
-        return
-    # Known gap: orbax's other background reads of the cut file may still print tracebacks ("Event loop is
-    # closed" from TensorStore's threads, "Task exception was never retrieved" from asyncio) around our line.
-    # The one-line error must be there, once, with the exit code.
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    ours = [line for line in proc.stderr.splitlines() if line.startswith("clusterkv: error: params checkpoint")]
-    assert len(ours) == 1 and message in ours[0], proc.stderr[-2000:]
+    assert_one_line_error(proc, message)
+    if damage == "data_truncated":
+        # Only our line, none of the echoes of orbax's other failed reads (they come in some runs only: the
+        # filter is tested directly below).
+        assert proc.stderr.count("clusterkv: error:") == 1 and "Exception" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_failed_restore_silences_only_its_own_echoes():
+    # In a subprocess, so that the hooks do not outlive the test.
+    code = """
+import asyncio, logging, sys, types
+from clusterkv_jax import checkpoint
+seen = []
+sys.unraisablehook = lambda u: seen.append(repr(u.exc_value))
+def unraisable(error, obj=None):
+    sys.unraisablehook(types.SimpleNamespace(exc_type=type(error), exc_value=error, exc_traceback=None,
+                                             err_msg=None, object=obj))
+async def _read_array_index_and_device_put(): pass
+logging.basicConfig()
+remove = checkpoint._silence_failed_restore_echoes()
+coroutine = _read_array_index_and_device_put()
+unraisable(RuntimeError("Event loop is closed"))
+unraisable(ValueError("boom"), obj=coroutine)
+unraisable(RuntimeError("Event loop is closed"), obj=object())
+unraisable(RuntimeError("something else"))
+asyncio.log.logger.error("_GatheringFuture exception was never retrieved")
+asyncio.log.logger.error("another asyncio error")
+remove()  # as after a restore that succeeded: nothing is filtered any more
+unraisable(RuntimeError("Event loop is closed"))
+asyncio.log.logger.error("Future exception was never retrieved")
+coroutine.close()
+print(seen)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == ("[\"RuntimeError('Event loop is closed')\", \"RuntimeError('something else')\", "
+                                   "\"RuntimeError('Event loop is closed')\"]")
+    lines = proc.stderr.strip().splitlines()
+    assert [line.split(":")[-1] for line in lines] == ["another asyncio error", "Future exception was never retrieved"]
 
 
 def test_truncated_sources_are_named(tmp_path):
