@@ -17,14 +17,17 @@ from clusterkv_jax.cache import KVCache, init_cache, kv_bytes  # noqa: E402
 from clusterkv_jax.config import ModelConfig, RopeScaling  # noqa: E402
 from clusterkv_jax.generate import GenerationResult, decode_step, generate, prefill, sample_tokens  # noqa: E402
 from clusterkv_jax.loading import Model, load_model  # noqa: E402
-from clusterkv_jax.policies import ClusterKV, FullKV, KVPolicy, OracleTopK, Quest, StreamingLLM  # noqa: E402
+from clusterkv_jax.policies import (  # noqa: E402
+    ClusterKV, FullKV, InfiniGen, KVPolicy, OracleTopK, Quest, SnapKV, StreamingLLM)
 from clusterkv_jax.tokenizer import Tokenizer  # noqa: E402
 
 __all__ = [
     "ClusterKV",
     "FullKV",
+    "InfiniGen",
     "OracleTopK",
     "Quest",
+    "SnapKV",
     "StreamingLLM",
     "GenerationResult",
     "KVCache",

@@ -155,6 +155,20 @@ def kv_bytes(cache: KVCache) -> dict[str, int]:
     return total
 
 
+def observe_prompt_queries(policy, group: LayerGroup, state, q: jax.Array, start, lengths: jax.Array):
+    """Prefill of a selecting layer: hands the policy those of the queries q [B, T, N, H] (positions
+    [start, start + T)) that lie among each prompt's last `policy.prompt_queries` tokens. Returns the state."""
+    n = policy.prompt_queries
+    if not (group.selecting and n):
+        return state
+    T = q.shape[1]
+    positions = lengths[:, None] - n + jnp.arange(n, dtype=jnp.int32)  # [B, n]
+    offsets = positions - start
+    found = (positions >= 0) & (offsets >= 0) & (offsets < T)
+    rows = jnp.take_along_axis(q, jnp.clip(offsets, 0, T - 1)[:, :, None, None], axis=1)  # [B, n, N, H]
+    return policy.observe_queries(state, jnp.swapaxes(rows, 1, 2).astype(jnp.float32), found)
+
+
 def write_prompt_layer(policy, group: LayerGroup, store, state, i, k_rows, v_rows, lengths, capacity: int):
     """What prefill does with layer i of `group` once its K/V are computed: in a selecting group, let the policy
     index the keys; store the prompt's K/V [B, K, T, H] as rows [0, T), or where the policy's layout puts each
@@ -181,7 +195,11 @@ def write_prompt_layer(policy, group: LayerGroup, store, state, i, k_rows, v_row
 @functools.partial(jax.jit, static_argnames=("policy",), donate_argnames=("cache",))
 def write_prompt(cache: KVCache, keys: jax.Array, values: jax.Array, lengths: jax.Array, *, policy) -> KVCache:
     """An empty cache filled as a prefill of a prompt with these K/V [L, B, K, T, H] would fill it (its
-    attention outputs are not needed): the stores hold the rows, the policy has indexed the selecting layers."""
+    attention outputs are not needed): the stores hold the rows, the policy has indexed the selecting layers.
+    Not for policies that index by the prompt's queries (`prompt_queries`): it has none to give them."""
+    if policy.prompt_queries:
+        raise ValueError(f"{type(policy).__name__} indexes the prompt by its queries; write_prompt has only keys "
+                         "and values (run a prefill instead)")
     groups = []
     for group in cache.groups:
         def body(store, xs, group=group):

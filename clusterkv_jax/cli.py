@@ -231,6 +231,10 @@ def _add_policy_flags(parser) -> None:
                         help="ClusterKV's cluster score (default: ClusterKV's, 'dot' = q·mu as in the paper)")
     parser.add_argument("--block-refine", type=_positive_int, default=None, metavar="F",
                         help="ClusterKV: take clusters up to F x the budget, keep their best blocks (1: off)")
+    parser.add_argument("--tokens-per-cluster", type=_positive_int, default=None, metavar="N",
+                        help="ClusterKV: prompt clusters C0 = L / N (default: ClusterKV's, 80 as in the paper)")
+    parser.add_argument("--block-size", type=_positive_int, default=None, metavar="N",
+                        help="ClusterKV: rows per store block, the unit of reads and of --block-refine (default 16)")
     parser.add_argument("--quest-sinks", type=_nonnegative_int, default=0, metavar="N",
                         help="Quest: always select the pages of the first N tokens (0: none, as in the Quest paper)")
 
@@ -246,6 +250,10 @@ def _policy_options(args) -> dict:
         clusterkv["score"] = args.score
     if args.block_refine is not None:
         clusterkv["block_refine"] = args.block_refine
+    if args.tokens_per_cluster is not None:
+        clusterkv["tokens_per_cluster"] = args.tokens_per_cluster
+    if args.block_size is not None:
+        clusterkv["block_size"] = args.block_size
     return {"clusterkv": clusterkv, "quest": dict(sinks=args.quest_sinks)}
 
 
@@ -283,9 +291,11 @@ def cmd_eval_ppl(args) -> int:
     model, ids = _eval_inputs(args)
     results = run_ppl(model, ids, context=args.context, eval_tokens=args.eval_tokens, budgets=args.budgets,
                       policy_names=args.policies, windows=args.windows, policy_options=_policy_options(args))
-    return _finish(results, args, "ppl", {"perplexity": results["ppl"], "perplexity - full": results["delta_vs_full"]},
+    return _finish(results, args, "ppl", {"perplexity": results["ppl"], "perplexity - full": results["delta_vs_full"],
+                                          "next-token top-1 agreement with full KV": results["top1_agreement"],
+                                          "KL(full || policy) per token, nats": results["kl_vs_full"]},
                    f"Perplexity, context {args.context}, {args.eval_tokens} tokens x {args.windows} windows",
-                   fmt="{:.3f}")
+                   fmt="{:.4f}")
 
 
 def cmd_eval_agreement(args) -> int:
@@ -506,9 +516,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mesh", default=None, metavar="data=D,model=M",
                    help="shard over D*M devices: batch on 'data', KV heads on 'model' (on CPU, D*M host devices "
                         "are requested automatically)")
-    g.add_argument("--policy", choices=["full", "clusterkv", "quest", "streaming"], default="full",
+    g.add_argument("--policy", choices=["full", "clusterkv", "quest", "streaming", "snapkv", "infinigen"],
+                   default="full",
                    help="KV policy (default: full KV)")
-    g.add_argument("--budget", type=_positive_int, default=1024, help="tokens attended per step (clusterkv, quest, streaming)")
+    g.add_argument("--budget", type=_positive_int, default=1024, help="tokens attended per step (every policy but full)")
     g.add_argument("--offload", action="store_true", help="keep the KV in host memory (full, clusterkv, quest)")
     g.add_argument("--prefill-chunk", type=_positive_int, default=None, metavar="N",
                    help="prefill long prompts N tokens at a time (a multiple of 512): bounded activation memory")
@@ -542,12 +553,12 @@ def build_parser() -> argparse.ArgumentParser:
         return e
 
     r = eval_parser("recall", "top-B token recall and attention-mass recall of each policy", cmd_eval_recall,
-                    "clusterkv,quest,streaming,oracle")
+                    "clusterkv,quest,streaming,snapkv,infinigen,oracle")
     r.add_argument("--context", type=_positive_int, default=8000)
     r.add_argument("--steps", type=_positive_int, default=8)
     r.add_argument("--json", default=None, help="also write the results to this JSON file")
     p = eval_parser("ppl", "perplexity with the policy active during teacher-forced decoding", cmd_eval_ppl,
-                    "clusterkv,quest,streaming")
+                    "clusterkv,quest,streaming,snapkv,infinigen")
     p.add_argument("--context", type=_positive_int, default=8000)
     p.add_argument("--eval-tokens", type=_positive_int, default=1024)
     p.add_argument("--windows", type=_positive_int, default=1)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from clusterkv_jax import attention
-from clusterkv_jax.cache import KVCache, LayerGroup, write_prompt_layer
+from clusterkv_jax.cache import KVCache, LayerGroup, observe_prompt_queries, write_prompt_layer
 from clusterkv_jax.config import ModelConfig
 
 Params = dict[str, Any]
@@ -210,7 +210,8 @@ def forward_prefill(
                 # [B, K, T, H] rows 0..T of this layer, in the store's dtype.
                 k_rows = jnp.swapaxes(k, 1, 2).astype(store.k.dtype)
                 v_rows = jnp.swapaxes(v, 1, 2).astype(store.v.dtype)
-                stored = write_prompt_layer(policy, group, store, state, i, k_rows, v_rows, lengths, S)
+                observed = observe_prompt_queries(policy, group, state, q, 0, lengths)
+                stored = write_prompt_layer(policy, group, store, observed, i, k_rows, v_rows, lengths, S)
                 return attention.causal_attention(q, k, v, block=PREFILL_BLOCK), stored
 
             x, (store, state) = _layer(layer, config, x, positions, inv_freq, attend)
@@ -247,9 +248,9 @@ def _prefill_chunks(params, config, policy, tokens, lengths, cache: KVCache, chu
                 view = written.layer(i)
                 out = attention.causal_attention_over_rows(q, view.keys()[:, :, :T], view.values()[:, :, :T],
                                                            start, block=PREFILL_BLOCK)
-                return out, written
+                return out, (written, observe_prompt_queries(policy, group, state, q, start, lengths))
 
-            x, store = _layer(layer, config, x, positions, inv_freq, attend)
+            x, (store, state) = _layer(layer, config, x, positions, inv_freq, attend)
             return x, store, state
 
         x = params["embed"][jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1)]

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from clusterkv_jax import ClusterKV, FullKV, Quest, generate
+from clusterkv_jax import ClusterKV, FullKV, InfiniGen, Quest, SnapKV, generate
 from clusterkv_jax import sharding as sh
 from clusterkv_jax.config import ModelConfig
 from clusterkv_jax.generate import Sampling, decode_step, generate_ids, prefill
@@ -40,6 +40,9 @@ POLICIES = {
     "clusterkv_offload": ClusterKV(offload=True, **SMALL),
     # The Pallas kernels (K-means centroid sums, cluster -> token indexing) in interpret mode, run per shard.
     "clusterkv_kernels": ClusterKV(kernels="interpret", **SMALL),
+    # The prompt's last queries observed per shard; InfiniGen's eigendecomposition per (sequence, KV head).
+    "snapkv": SnapKV(budget=16, window=8, kernel=3, full_layers=1),
+    "infinigen": InfiniGen(budget=16, sample=8, full_layers=1),
 }
 NEW = 16
 LENGTHS = [64, 23, 50, 37, 61, 30, 45, 20]  # one prompt bucket (64): `alone` compiles once per batch size

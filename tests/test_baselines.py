@@ -1,4 +1,5 @@
-"""Quest, StreamingLLM and OracleTopK against NumPy references, on a tiny random model (no checkpoint).
+"""Quest, StreamingLLM, SnapKV, InfiniGen and OracleTopK against NumPy references, on a tiny random model (no
+checkpoint).
 
 Selections are checked set-wise against NumPy, each policy with an unlimited budget against FullKV's logits,
 ragged batches against each sequence alone, Quest's page index against NumPy min/max of the keys, and
@@ -19,8 +20,8 @@ from clusterkv_jax.cache import KVCache, init_cache
 from clusterkv_jax.config import ModelConfig
 from clusterkv_jax.generate import decode_step, generate, prefill
 from clusterkv_jax.loading import Model
-from clusterkv_jax.model import init_params
-from clusterkv_jax.policies import FullKV, OracleTopK, Quest, StreamingLLM
+from clusterkv_jax.model import apply_rope, init_params, rope_inv_freq
+from clusterkv_jax.policies import FullKV, InfiniGen, OracleTopK, Quest, SnapKV, StreamingLLM
 from tests.helpers import generation_programs
 
 CONFIG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
@@ -36,10 +37,13 @@ DECODE_TOKENS = _rng.integers(0, CONFIG.vocab_size, (3, STEPS)).astype(np.int32)
 QUEST = Quest(budget=24, page_size=8, full_layers=1)
 STREAMING = StreamingLLM(budget=20, sinks=4, full_layers=1)
 ORACLE = OracleTopK(budget=16, full_layers=1)
-SMALL = (QUEST, STREAMING, ORACLE)
+SNAPKV = SnapKV(budget=20, window=8, kernel=3, full_layers=1)
+INFINIGEN = InfiniGen(budget=16, partial_ratio=0.25, sample=8, full_layers=1)
+SMALL = (QUEST, STREAMING, ORACLE, SNAPKV, INFINIGEN)
 # Budgets above the capacity: every token is attended, in every layer.
 LARGE = (Quest(budget=1024, page_size=8, full_layers=0), StreamingLLM(budget=1024, sinks=4, full_layers=0),
-         OracleTopK(budget=1024, full_layers=0))
+         OracleTopK(budget=1024, full_layers=0), SnapKV(budget=1024, window=8, full_layers=0),
+         InfiniGen(budget=1024, sample=8, full_layers=0))
 
 
 @functools.cache
@@ -110,6 +114,9 @@ def np_quest_pages(prompt_len: int, length: int, ps: int) -> tuple[list[tuple[in
     lambda: Quest(sinks=-1), lambda: Quest(budget=32, page_size=16, sinks=33),
     lambda: StreamingLLM(budget=0), lambda: StreamingLLM(budget=8, sinks=16), lambda: StreamingLLM(sinks=-1),
     lambda: StreamingLLM(full_layers=-1), lambda: OracleTopK(budget=0), lambda: OracleTopK(full_layers=-2),
+    lambda: SnapKV(window=0), lambda: SnapKV(budget=16, window=32), lambda: SnapKV(kernel=4),
+    lambda: SnapKV(kernel=0), lambda: InfiniGen(partial_ratio=0.0), lambda: InfiniGen(partial_ratio=1.5),
+    lambda: InfiniGen(sample=0), lambda: InfiniGen(budget=0),
 ])
 def test_invalid_settings_raise(make):
     with pytest.raises(ValueError):
@@ -190,6 +197,111 @@ def test_oracle_selection_is_numpy_top_k_of_prompt_scores():
             for n in range(CONFIG.num_heads):
                 scores = keys_np[b, n // G, :Lp] @ q_np[b, n]  # [Lp] raw q·k over the prompt only
                 assert sorted(chosen[b][n]) == sorted(np.argsort(-scores)[:ORACLE.budget].tolist())
+
+
+def np_layer0_queries(tokens: np.ndarray) -> np.ndarray:
+    """[B, T, N, H] post-RoPE queries of layer 0, from the embeddings, RMSNorm, W_q and RoPE in float64."""
+    layer = jax.tree.map(lambda p: np.asarray(p[0], np.float64), params()["layers"])
+    x = np.asarray(params()["embed"], np.float64)[tokens]  # [B, T, D]
+    x = x / np.sqrt((x * x).mean(-1, keepdims=True) + CONFIG.rms_norm_eps) * layer["attn_norm"]
+    q = np.einsum("btd,dnh->btnh", x, layer["q"])
+    H = CONFIG.head_dim
+    inv_freq = 1.0 / CONFIG.rope_theta ** (np.arange(0, H, 2) / H)
+    angles = np.arange(tokens.shape[1])[:, None] * inv_freq  # [T, H/2]
+    cos, sin = np.cos(angles)[:, None], np.sin(angles)[:, None]
+    q1, q2 = q[..., :H // 2], q[..., H // 2:]
+    return np.concatenate([q1 * cos - q2 * sin, q2 * cos + q1 * sin], axis=-1)
+
+
+@pytest.mark.parametrize("window", [8, 32])
+def test_policies_observe_the_prompts_last_queries(window):
+    """Layer 0's stored observation window holds the queries of positions [L - n, L) (zeros before position 0:
+    the 23-token prompt under a 32-query window), recomputed in NumPy from the weights."""
+    policy = SnapKV(budget=40, window=window, full_layers=0)
+    observed = run(policy).states[0].queries[0]  # [B, N, n, H] of layer 0 after prefill
+    want = np_layer0_queries(PROMPTS)
+    for b, L in enumerate(PROMPT_LENGTHS.tolist()):
+        for j in range(window):
+            p = L - window + j
+            expected = want[b, p] if p >= 0 else np.zeros_like(want[b, 0])
+            np.testing.assert_allclose(observed[b, :, j], expected, rtol=1e-4, atol=1e-4, err_msg=f"{b}, {j}")
+
+
+def np_snapkv(queries, keys, L, budget, window, kernel) -> list[list[int]]:
+    """SnapKV's kept positions per query head, as its PyTorch code computes them: softmax(q k^T / sqrt(H)) of the
+    window queries under the causal mask, summed over the window for the earlier tokens, avg_pool1d(kernel,
+    padding=kernel // 2), top (budget - window), plus the window. queries [N, n, H], keys [K, S, H]."""
+    N, n, H = queries.shape
+    kept = []
+    for head in range(N):
+        logits = queries[head] @ keys[head // G, :L].T / np.sqrt(H)  # [n, L]
+        positions = L - n + np.arange(n)
+        logits = np.where(np.arange(L)[None, :] <= positions[:, None], logits, -np.inf)
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        votes = probs[positions >= 0].sum(0)[: max(L - n, 0)]
+        pooled = np.convolve(np.pad(votes, kernel // 2), np.ones(kernel) / kernel, mode="valid")
+        top = np.argsort(-pooled, kind="stable")[: budget - min(n, budget)]
+        kept.append(sorted(top.tolist() + list(range(max(L - n, 0), L))))
+    return kept
+
+
+def test_snapkv_keeps_what_numpy_snapkv_keeps():
+    for layer in range(SNAPKV.full_layers, CONFIG.num_layers):
+        state, q, keys, lengths, prompt_lengths = layer_inputs(SNAPKV, layer)
+        chosen = selected_sets(*SNAPKV.selected_positions(state, q, keys, lengths, prompt_lengths))
+        for b, L in enumerate(np.asarray(prompt_lengths).tolist()):
+            want = np_snapkv(np.asarray(state.queries[b], np.float64), np.asarray(keys[b], np.float64), L,
+                             SNAPKV.budget, SNAPKV.window, SNAPKV.kernel)
+            assert [sorted(c) for c in chosen[b]] == want, (layer, b)
+            # The decode query does not matter: the choice was made at prefill, for good.
+            again = selected_sets(*SNAPKV.selected_positions(state, -q, keys, lengths, prompt_lengths))
+            assert again == chosen
+
+
+def np_infinigen(queries, keys, q, L, budget, ratio) -> list[list[int]]:
+    """InfiniGen's top tokens per query head: skew A = right singular vectors of the KV head's sample queries
+    (np.linalg.svd), the ceil(ratio H) channels with the largest sum |Q A|, top `budget` of (q A_r)·(k A_r)."""
+    N, n, H = queries.shape
+    K = keys.shape[0]
+    r = int(np.ceil(ratio * H))
+    kept = []
+    for head in range(N):
+        kv = head // G
+        sample = queries[kv * G:(kv + 1) * G].reshape(G * n, H)
+        A = np.linalg.svd(sample)[2].T  # [H, H] columns: right singular vectors (complete with full_matrices)
+        channels = np.argsort(-np.abs(sample @ A).sum(0), kind="stable")[:r]
+        scores = (keys[kv, :L] @ A[:, channels]) @ (q[head] @ A[:, channels])
+        kept.append(sorted(np.argsort(-scores, kind="stable")[:budget].tolist()))
+    assert K * G == N
+    return kept
+
+
+def test_infinigen_selects_what_numpy_infinigen_selects():
+    # Sample queries with well-separated singular values, so the kept channels are not a near-tie.
+    rng = np.random.default_rng(3)
+    for layer in range(INFINIGEN.full_layers, CONFIG.num_layers):
+        state, q, keys, lengths, prompt_lengths = layer_inputs(INFINIGEN, layer, seed=20 + layer)
+        scale = 2.0 ** -np.arange(CONFIG.head_dim)  # channel c of the sample has scale 2^-c before the rotation
+        rotation = np.linalg.qr(rng.normal(size=(CONFIG.head_dim, CONFIG.head_dim)))[0]
+        sample = rng.normal(size=state.queries.shape) * scale @ rotation.T
+        state = INFINIGEN.after_prefill(state.replace(queries=jnp.asarray(sample, jnp.float32)), keys, prompt_lengths)
+        chosen = selected_sets(*INFINIGEN.selected_positions(state, q, keys, lengths, prompt_lengths))
+        for b, L in enumerate(np.asarray(prompt_lengths).tolist()):
+            want = np_infinigen(sample[b], np.asarray(keys[b], np.float64), np.asarray(q[b], np.float64), L,
+                                INFINIGEN.budget, INFINIGEN.partial_ratio)
+            assert [sorted(c) for c in chosen[b]] == want, (layer, b)
+
+
+def test_infinigen_with_every_channel_is_the_oracle():
+    """partial_ratio=1 keeps all H skewed channels: (qA)·(kA) = q·k, so it selects what OracleTopK selects."""
+    every = dataclasses.replace(INFINIGEN, partial_ratio=1.0)
+    for layer in range(every.full_layers, CONFIG.num_layers):
+        state, q, keys, lengths, prompt_lengths = layer_inputs(every, layer, seed=30 + layer)
+        chosen = selected_sets(*every.selected_positions(state, q, keys, lengths, prompt_lengths))
+        oracle = selected_sets(*dataclasses.replace(ORACLE, budget=every.budget).selected_positions(
+            None, q, keys, lengths, prompt_lengths))
+        assert [[sorted(h) for h in b] for b in chosen] == [[sorted(h) for h in b] for b in oracle]
 
 
 @pytest.mark.parametrize("policy", SMALL + LARGE, ids=lambda p: repr(p))
@@ -280,7 +392,8 @@ def test_quest_pages_generated_tokens_every_page_size_steps():
 
 @pytest.mark.parametrize("policy", [Quest(budget=48, page_size=16, full_layers=1),
                                     StreamingLLM(budget=40, sinks=8, full_layers=1),
-                                    OracleTopK(budget=24, full_layers=1)], ids=lambda p: type(p).__name__)
+                                    OracleTopK(budget=24, full_layers=1), SnapKV(budget=24, window=8, full_layers=1),
+                                    InfiniGen(budget=24, sample=8, full_layers=1)], ids=lambda p: type(p).__name__)
 def test_generate_compiles_once(policy):
     model = Model(CONFIG, params(), tokenizer=None)
     before = generation_programs()

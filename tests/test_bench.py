@@ -130,10 +130,12 @@ def test_step_bytes_match_a_numpy_count():
 
 
 def test_bench_attention_reports_every_policy():
-    policies = make_policies(["full", "clusterkv", "quest"], [32], policy_options={"clusterkv": {"gqa": "per_head"}})
+    names = ["clusterkv", "quest", "snapkv", "infinigen"]
+    policies = make_policies(["full", *names], [32], policy_options={"clusterkv": {"gqa": "per_head"},
+                                                                      "snapkv": {"window": 8}})
     results = bench_attention(CFG, policies, [100], batch=2, repeats=2, progress=False)
     row = results["contexts"]["100"]
-    assert set(row) == {"full", "clusterkv@32", "clusterkv@32 select", "quest@32", "quest@32 select"}
+    assert set(row) == {"full"} | {f"{n}@32{s}" for n in names for s in ("", " select")}
     assert row["clusterkv@32"]["indexing_ms"] > 0
 
 

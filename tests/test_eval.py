@@ -13,7 +13,7 @@ import pytest
 from clusterkv_jax import FullKV, init_cache, prefill
 from clusterkv_jax.config import ModelConfig
 from clusterkv_jax.eval.agreement import run_agreement
-from clusterkv_jax.eval.ppl import run_ppl, window_nll, window_offsets
+from clusterkv_jax.eval.ppl import run_ppl, window_offsets, window_scores
 from clusterkv_jax.loading import Model
 from clusterkv_jax.model import init_params
 
@@ -38,10 +38,46 @@ def _numpy_nll_from_prefill(model, seq, context):
 
 def test_full_kv_perplexity_equals_prefill_computation():
     context, eval_tokens = 150, 40
-    nll = window_nll(TINY, IDS, [0, 700], context, eval_tokens, FullKV())
+    nll = window_scores(TINY, IDS, [0, 700], context, eval_tokens, FullKV())["nll"]
     for row, offset in zip(nll, [0, 700]):
         ref = _numpy_nll_from_prefill(TINY, IDS[offset : offset + context + eval_tokens], context)
         np.testing.assert_allclose(row, ref, atol=2e-5)
+
+
+def _numpy_log_probs_from_prefill(model, seq, context):
+    """[eval tokens, V] full-KV next-token log-probabilities from one prefill, log-softmax in NumPy (float64)."""
+    seq = np.asarray([seq])
+    cache = init_cache(model.config, FullKV(), 1, 512, jnp.float32)
+    logits, _ = prefill(model.params, jnp.asarray(seq), jnp.array([seq.shape[1]]), cache, config=model.config,
+                        policy=FullKV(), all_logits=True)
+    z = np.asarray(logits[0], np.float64)[context - 1 : seq.shape[1] - 1]
+    z -= z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def test_top1_agreement_and_kl_equal_numpy():
+    """Against full KV's distributions from an independent prefill: KL(full || policy) and top-1 agreement at every
+    position, from the policy's own log-probabilities, in NumPy; and run_ppl's averages of them."""
+    from clusterkv_jax.policies import StreamingLLM
+
+    context, eval_tokens = 150, 40
+    offsets = window_offsets(len(IDS), context + eval_tokens, 2)  # the windows run_ppl takes below
+    full = np.stack([_numpy_log_probs_from_prefill(TINY, IDS[o : o + context + eval_tokens], context)
+                     for o in offsets])  # [2, E, V]
+    policy = StreamingLLM(budget=16, sinks=4)
+    got = window_scores(TINY, IDS, offsets, context, eval_tokens, policy, full.astype(np.float32),
+                        keep_log_probs=True)
+    mine = got["log_probs"].astype(np.float64)  # [2, E, V]
+    kl = (np.exp(full) * (full - mine)).sum(-1)
+    top1 = mine.argmax(-1) == full.argmax(-1)
+    np.testing.assert_allclose(got["kl"], kl, atol=1e-5)
+    np.testing.assert_array_equal(got["top1"], top1)
+    assert 0.05 < top1.mean() < 1 and kl.mean() > 1e-3  # a 16-token budget really changes the distributions
+    res = run_ppl(TINY, IDS, context=context, eval_tokens=eval_tokens, budgets=[16, 512], policy_names=["streaming"],
+                  windows=2, policy_options={"streaming": {"sinks": 4}}, progress=False)
+    assert abs(res["top1_agreement"]["streaming"]["16"] - top1.mean()) < 1e-6
+    assert abs(res["kl_vs_full"]["streaming"]["16"] - kl.mean()) < 1e-5
+    assert res["top1_agreement"]["streaming"]["512"] == 1.0 and abs(res["kl_vs_full"]["streaming"]["512"]) < 1e-5
 
 
 def test_windows_are_disjoint_and_spread():

@@ -24,15 +24,43 @@ def _model():
 def test_oracle_is_exact_and_full_budget_recalls_everything():
     ids = np.random.default_rng(0).integers(0, 128, 400).tolist()
     res = run_recall(_model(), ids, context=300, steps=3, budgets=[32, 512],
-                     policy_names=["clusterkv", "quest", "streaming", "oracle"],
-                     policy_options={"clusterkv": dict(tokens_per_cluster=8, sinks=4)}, progress=False)
-    for name in ("clusterkv", "quest", "streaming", "oracle"):
+                     policy_names=["clusterkv", "quest", "streaming", "snapkv", "infinigen", "oracle"],
+                     policy_options={"clusterkv": dict(tokens_per_cluster=8, sinks=4), "snapkv": dict(window=16)},
+                     progress=False)
+    for name in ("clusterkv", "quest", "streaming", "snapkv", "infinigen", "oracle"):
         assert abs(res["token_recall"][name]["512"] - 1.0) < 1e-6, name
         assert abs(res["mass_recall"][name]["512"] - 1.0) < 1e-5, name
         assert res["mass_recall"][name]["32"] <= res["mass_recall"]["oracle"]["32"] + 1e-6
     assert abs(res["token_recall"]["oracle"]["32"] - 1.0) < 1e-6
     assert 0 < res["token_recall"]["streaming"]["32"] < 1
     assert "clusterkv" in format_table(res)
+
+
+def test_probe_hands_wrapped_policies_their_observation_windows():
+    """Each wrapped policy gets the last `prompt_queries` of the probe's (largest) window: its state after the
+    probe's prefill equals its state after its own prefill."""
+    import jax.numpy as jnp
+
+    from clusterkv_jax.cache import init_cache
+    from clusterkv_jax.eval.recall import RecallProbe
+    from clusterkv_jax.generate import prefill
+    from clusterkv_jax.policies import InfiniGen, SnapKV
+
+    model = _model()
+    inner = (SnapKV(budget=32, window=8), InfiniGen(budget=32, sample=24))
+    probe = RecallProbe(policies=inner, budgets=(32, 32))
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 128, (2, 128)), jnp.int32)
+    lengths = jnp.array([128, 90], jnp.int32)
+
+    def state_after_prefill(policy):
+        cache = init_cache(CFG, policy, 2, 160, jnp.float32)
+        return prefill(model.params, tokens, lengths, cache, config=CFG, policy=policy)[1].policy_state
+
+    probed = state_after_prefill(probe).inner
+    for policy, got in zip(inner, probed):
+        want = state_after_prefill(policy)
+        for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
 def test_eval_recall_cli_on_smollm2(smollm2_converted_dir, tmp_path, capsys):

@@ -244,6 +244,25 @@ def test_policy_fields_are_checked():
             make_policy("clusterkv", bad)
 
 
+def test_policy_flags_build_the_policies_they_name():
+    from clusterkv_jax.cli import _policy_options, build_parser
+    from clusterkv_jax.eval.policies import make_policy
+    from clusterkv_jax.policies import ClusterKV, InfiniGen, Quest, SnapKV
+
+    args = build_parser().parse_args(
+        ["eval", "recall", "--model", "m", "--text", "t", "--policies", "clusterkv,quest,snapkv,infinigen",
+         "--score", "density", "--block-refine", "4", "--tokens-per-cluster", "40", "--block-size", "4",
+         "--quest-sinks", "16", "--gqa", "shared"])
+    options = _policy_options(args)
+    built = {name: make_policy(name, 512, **options.get(name, {})) for name in args.policies}
+    assert built == {"clusterkv": ClusterKV(budget=512, score="density", block_refine=4, tokens_per_cluster=40,
+                                            block_size=4, gqa="shared"),
+                     "quest": Quest(budget=512, sinks=16), "snapkv": SnapKV(budget=512),
+                     "infinigen": InfiniGen(budget=512)}
+    with pytest.raises(SystemExit):  # argparse's one-line usage error
+        build_parser().parse_args(["eval", "recall", "--model", "m", "--text", "t", "--block-size", "0"])
+
+
 @settings(max_examples=15, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), nonfinite=st.sampled_from([np.nan, np.inf, -np.inf]))
 def test_policy_indexes_stay_finite_with_nonfinite_padding(seed, nonfinite):

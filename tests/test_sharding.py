@@ -37,7 +37,8 @@ def report(tmp_path_factory):
     return res
 
 
-@pytest.mark.parametrize("policy", ["full", "full_offload", "clusterkv", "clusterkv_offload", "clusterkv_kernels"])
+@pytest.mark.parametrize("policy", ["full", "full_offload", "clusterkv", "clusterkv_offload", "clusterkv_kernels",
+                                    "snapkv", "infinigen"])
 def test_sharded_generation_equals_unsharded(report, policy):
     """clusterkv_kernels: the Pallas kernels (interpret mode) run per shard under shard_map."""
     got = report["tokens"][policy]

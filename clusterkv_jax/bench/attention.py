@@ -21,19 +21,20 @@ from clusterkv_jax.cache import LayerGroup, write_prompt_layer
 from clusterkv_jax.store import DeviceKV
 
 
-def _output_and_store(result):
-    out, _, kv = result
-    return out, kv.store
+def _output_state_and_store(result):
+    out, state, kv = result
+    return out, state, kv.store
 
 
 class _Donating:
-    """Calls exe(state, q, store, lengths) -> (out, store), passing each call's store to the next (donated)."""
+    """Calls exe(state, q, store, lengths) -> (out, state, store), passing each call's state and store to the
+    next (both donated, as the model's decode step donates the cache)."""
 
-    def __init__(self, exe, store):
-        self.exe, self.store = exe, store
+    def __init__(self, exe, state, store):
+        self.exe, self.state, self.store = exe, state, store
 
-    def __call__(self, state, q, lengths):
-        out, self.store = self.exe(state, q, self.store, lengths)
+    def __call__(self, q, lengths):
+        out, self.state, self.store = self.exe(self.state, q, self.store, lengths)
         return out
 
 
@@ -62,19 +63,25 @@ def bench_attention(config: ModelConfig, policies: dict[str, KVPolicy], contexts
             if policy.full_layers >= config.num_layers:  # selects nothing
                 continue
             policy = dataclasses.replace(policy, full_layers=0)
-            empty = (DeviceKV.create(1, batch, config.num_kv_heads, policy.store_rows(capacity), H, dtype),
-                     policy.init_state(one_layer, batch, capacity))
+            state = policy.init_state(one_layer, batch, capacity)
+            if n := policy.prompt_queries:  # SnapKV, InfiniGen: the prompt's last queries (random, as the keys)
+                sample = jax.random.normal(jax.random.PRNGKey(seed + 2), (batch, N, n, H), jnp.float32)
+                state = policy.observe_queries(state, sample, jnp.ones((batch, n), bool))
+            empty = (DeviceKV.create(1, batch, config.num_kv_heads, policy.store_rows(capacity), H, dtype), state)
             group = LayerGroup(store=None, state=None, start=0, selecting=True)
             # The store and index a prefill of this prompt leaves, in the policy's layout.
             index = jax.jit(lambda e, k, v, n, p=policy: write_prompt_layer(p, group, *e, jnp.int32(0), k, v, n,
                                                                               capacity))
             (store, lay), index_s = timed(compiled(index, empty, k, v, lengths)[0], empty, k, v, lengths)
-            # As in the model's decode step, the store is donated (a policy may update it in place).
-            attend = jax.jit(lambda s, q, st, n, p=policy: _output_and_store(p.decode_attention(
-                s, q, st.layer(jnp.int32(0), capacity), n, n)), donate_argnums=2)
+            # As in the model's decode step, the state and the store are donated (a policy may update them in
+            # place; without donation a step that may rewrite them copies them whole). The lengths do not grow, so
+            # every call makes the same selection.
+            attend = jax.jit(lambda s, q, st, n, p=policy: _output_state_and_store(p.decode_attention(
+                s, q, st.layer(jnp.int32(0), capacity), n, n)), donate_argnums=(0, 2))
             keys = k if policy.reads_all_keys else None
             select = jax.jit(lambda s, q, k, n, p=policy: p.select(s, q, k, n, n))
-            calls[name] = (_Donating(compiled(attend, lay, q, store, lengths)[0], store), (lay, q, lengths))
+            state = jax.tree.map(jnp.copy, lay)  # donated; `lay` stays for the select timing
+            calls[name] = (_Donating(compiled(attend, state, q, store, lengths)[0], state, store), (q, lengths))
             indexing[name] = index_s
             calls[f"{name} select"] = (compiled(select, lay, q, keys, lengths)[0], (lay, q, keys, lengths))
         times: dict[str, list[float]] = {name: [] for name in calls}

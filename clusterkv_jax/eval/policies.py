@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from clusterkv_jax.policies import ClusterKV, FullKV, KVPolicy, OracleTopK, Quest, StreamingLLM
+from clusterkv_jax.policies import ClusterKV, FullKV, InfiniGen, KVPolicy, OracleTopK, Quest, SnapKV, StreamingLLM
 
-POLICY_CLASSES = {"clusterkv": ClusterKV, "quest": Quest, "streaming": StreamingLLM, "oracle": OracleTopK}
+POLICY_CLASSES = {"clusterkv": ClusterKV, "quest": Quest, "streaming": StreamingLLM, "snapkv": SnapKV,
+                  "infinigen": InfiniGen, "oracle": OracleTopK}
 
 
 def make_policy(name: str, budget: int, **options: Any) -> KVPolicy:

@@ -1,5 +1,9 @@
 """PG19-style perplexity with the policy active: prefill `context` tokens, then teacher-force `eval_tokens`
-one decode step at a time (so decode-time clustering happens as in generation), scoring each next token."""
+one decode step at a time (so decode-time clustering happens as in generation), scoring each next token.
+
+From the same run, against full KV at every position: next-token top-1 agreement and KL(full || policy) of
+the next-token distributions (less noisy than comparing free-running continuations, which diverge for good at
+the first different token)."""
 
 from __future__ import annotations
 
@@ -22,32 +26,52 @@ from clusterkv_jax.policies import FullKV
 from clusterkv_jax.policies.base import KVPolicy
 
 
-def _nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Negative log-likelihood of targets [B] under logits [B, V] (float32)."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return -jnp.take_along_axis(logp, targets[:, None], axis=-1)[:, 0]
+def _log_probs(logits: jax.Array) -> jax.Array:
+    return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "policy", "capacity", "cache_dtype"))
-def teacher_forced_nll(params, prompt, lengths, continuation, *, config: ModelConfig, policy: KVPolicy,
-                       capacity: int, cache_dtype):
+def _scores(logp: jax.Array, target: jax.Array, reference: jax.Array | None) -> dict[str, jax.Array]:
+    """One position's scores from log-probabilities logp [B, V]: the NLL of target [B]; with the full-KV
+    log-probabilities reference [B, V], KL(full || policy) and whether both rank the same token first."""
+    out = {"nll": -jnp.take_along_axis(logp, target[:, None], axis=-1)[:, 0]}
+    if reference is not None:
+        out["kl"] = jnp.sum(jnp.exp(reference) * (reference - logp), axis=-1)
+        out["top1"] = jnp.argmax(logp, axis=-1) == jnp.argmax(reference, axis=-1)
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("config", "policy", "capacity", "cache_dtype", "keep_log_probs"))
+def teacher_forced(params, prompt, lengths, continuation, reference=None, *, config: ModelConfig, policy: KVPolicy,
+                   capacity: int, cache_dtype, keep_log_probs: bool = False) -> dict[str, jax.Array]:
     """prompt [B, T] right-padded with lengths [B]; continuation [B, E] the tokens that follow.
 
-    Returns NLL [B, E] of each continuation token: the first from the prefill logits, the rest from decode
-    steps that feed the previous continuation token.
+    Scores each continuation token, the first from the prefill logits, the rest from decode steps that feed the
+    previous continuation token: {"nll": [B, E]}, plus, given full KV's log-probabilities `reference`
+    [B, E, V], "kl" [B, E] (KL(full || policy) of the next-token distributions) and "top1" [B, E] (both put the
+    same token first); with `keep_log_probs`, "log_probs" [B, E, V] (to be a later run's reference).
     """
     B = prompt.shape[0]
     cache = init_cache(config, policy, B, capacity, cache_dtype)
     logits, cache = forward_prefill(params, config, policy, prompt, lengths, cache)
-    first = _nll(logits, continuation[:, 0])
+    ref = None if reference is None else jnp.moveaxis(reference, 1, 0)  # [E, B, V]
 
-    def step(cache, tokens):
-        feed, target = tokens
+    def scored(logits, t, target):
+        logp = _log_probs(logits)
+        out = _scores(logp, target, None if ref is None else ref[t])
+        if keep_log_probs:
+            out["log_probs"] = logp
+        return out
+
+    first = scored(logits, 0, continuation[:, 0])
+
+    def step(cache, xs):
+        t, feed, target = xs
         logits, cache = forward_decode(params, config, policy, feed, cache)
-        return cache, _nll(logits, target)
+        return cache, scored(logits, t, target)
 
-    _, rest = jax.lax.scan(step, cache, (continuation[:, :-1].T, continuation[:, 1:].T))
-    return jnp.concatenate([first[:, None], rest.T], axis=1)
+    E = continuation.shape[1]
+    _, rest = jax.lax.scan(step, cache, (jnp.arange(1, E), continuation[:, :-1].T, continuation[:, 1:].T))
+    return jax.tree.map(lambda f, r: jnp.concatenate([f[:, None], jnp.moveaxis(r, 0, 1)], axis=1), first, rest)
 
 
 def check_span(config, context: int, extra: int, extra_name: str) -> None:
@@ -73,9 +97,11 @@ def window_offsets(num_tokens: int, span: int, windows: int) -> list[int]:
     return [i * stride for i in range(windows)]
 
 
-def window_nll(model, token_ids: list[int], offsets: list[int], context: int, eval_tokens: int,
-               policy: KVPolicy) -> np.ndarray:
-    """NLL [windows, eval_tokens] for each window (processed as one batch)."""
+def window_scores(model, token_ids: list[int], offsets: list[int], context: int, eval_tokens: int,
+                  policy: KVPolicy, reference: np.ndarray | None = None,
+                  keep_log_probs: bool = False) -> dict[str, np.ndarray]:
+    """`teacher_forced` for each window (processed as one batch): "nll" [windows, eval_tokens], and "kl",
+    "top1" against `reference` / "log_probs" as asked."""
     bucket = bucket_length(context)
     prompt = np.zeros((len(offsets), bucket), np.int32)
     cont = np.zeros((len(offsets), eval_tokens), np.int32)
@@ -83,10 +109,11 @@ def window_nll(model, token_ids: list[int], offsets: list[int], context: int, ev
         prompt[i, :context] = token_ids[o : o + context]
         cont[i] = token_ids[o + context : o + context + eval_tokens]
     dtype = jax.tree_util.tree_leaves(model.params)[0].dtype
-    nll = teacher_forced_nll(model.params, jnp.asarray(prompt), jnp.full((len(offsets),), context, jnp.int32),
-                             jnp.asarray(cont), config=model.config, policy=policy,
-                             capacity=cache_capacity(bucket, eval_tokens), cache_dtype=dtype)
-    return np.asarray(nll)
+    out = teacher_forced(model.params, jnp.asarray(prompt), jnp.full((len(offsets),), context, jnp.int32),
+                         jnp.asarray(cont), None if reference is None else jnp.asarray(reference),
+                         config=model.config, policy=policy, capacity=cache_capacity(bucket, eval_tokens),
+                         cache_dtype=dtype, keep_log_probs=keep_log_probs)
+    return {k: np.asarray(v) for k, v in out.items()}
 
 
 def run_ppl(model, token_ids: list[int], *, context: int, eval_tokens: int, budgets: list[int],
@@ -99,14 +126,20 @@ def run_ppl(model, token_ids: list[int], *, context: int, eval_tokens: int, budg
     offsets = window_offsets(len(token_ids), context + eval_tokens, windows)
     runs = [("full", None)] + [(n, b) for n in policy_names if n != "full" for b in budgets]
     results: dict[str, Any] = {"metric": "perplexity", "context": context, "eval_tokens": eval_tokens,
-                               "windows": len(offsets), "ppl": {}, "delta_vs_full": {}}
+                               "windows": len(offsets), "ppl": {}, "delta_vs_full": {}, "top1_agreement": {},
+                               "kl_vs_full": {}}
+    reference = None  # full KV's next-token log-probabilities [windows, eval_tokens, V]
     for name, budget in tqdm(runs, desc="ppl: policy x budget", disable=not progress, file=sys.stderr):
         policy = FullKV() if name == "full" else make_policy(name, budget, **(policy_options or {}).get(name, {}))
-        nll = window_nll(model, token_ids, offsets, context, eval_tokens, policy)
-        ppl = float(math.exp(nll.mean()))
+        scores = window_scores(model, token_ids, offsets, context, eval_tokens, policy, reference,
+                               keep_log_probs=name == "full")
+        ppl = float(math.exp(scores["nll"].mean()))
         if name == "full":
             results["ppl"]["full"] = {str(b): ppl for b in budgets}
+            reference = scores["log_probs"]
             continue
         results["ppl"].setdefault(name, {})[str(budget)] = ppl
         results["delta_vs_full"].setdefault(name, {})[str(budget)] = ppl - results["ppl"]["full"][str(budget)]
+        results["top1_agreement"].setdefault(name, {})[str(budget)] = float(scores["top1"].mean())
+        results["kl_vs_full"].setdefault(name, {})[str(budget)] = float(scores["kl"].mean())
     return results

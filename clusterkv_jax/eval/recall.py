@@ -59,6 +59,16 @@ class RecallProbe(KVPolicy):
             steps=jnp.zeros((n,), jnp.int32),
         )
 
+    @property
+    def prompt_queries(self) -> int:
+        return max(p.prompt_queries for p in self.policies)
+
+    def observe_queries(self, state, queries, found):
+        n = queries.shape[2]
+        inner = tuple(p.observe_queries(s, queries[:, :, n - p.prompt_queries:], found[:, n - p.prompt_queries:])
+                      if p.prompt_queries else s for p, s in zip(self.policies, state.inner))
+        return state.replace(inner=inner)
+
     def after_prefill(self, state, keys, lengths):
         inner = tuple(
             jax.lax.cond(state.layer >= p.full_layers, lambda s, p=p: p.after_prefill(s, keys, lengths),

@@ -58,6 +58,9 @@ class KVPolicy:
     #: The window's tokens sit in store rows [0, W), row = position % W (see `token_rows`), so a step reads the
     #: window as one slice of the store (`view.ring`) instead of gathering its rows.
     ring_window: bool = False
+    #: n > 0: prefill hands `observe_queries` the post-RoPE queries of each prompt's last n tokens before
+    #: `after_prefill` (SnapKV scores the prompt by them, InfiniGen skews its channels by them).
+    prompt_queries: int = 0
 
     def __post_init__(self):
         """Checks that every field declared int holds an integer and every float field a finite number, so a
@@ -104,6 +107,13 @@ class KVPolicy:
         """The states of model layers `layers`, stacked on a leading axis (the scan hands each layer its own)."""
         one = self.init_state(config, batch_size, capacity)
         return jax.tree.map(lambda x: jnp.broadcast_to(x, (len(layers),) + x.shape), one)
+
+    def observe_queries(self, state: Any, queries: jax.Array, found: jax.Array) -> Any:
+        """Only when `prompt_queries` = n > 0: queries [B, N, n, H] (post-RoPE) whose slot j holds position
+        prompt_length - n + j where found [B, n] (slots before position 0 are never found). A prefill calls it
+        once before `after_prefill`, a chunked prefill once per chunk with the slots that chunk computed: keep
+        the found slots, leave the others as they were. Returns the state."""
+        return state
 
     def after_prefill(self, state: Any, keys: jax.Array, lengths: jax.Array) -> Any:
         """Indexes one layer's prompt keys [B, K, S, H] (rows >= lengths[b] are padding); returns its state."""
