@@ -5,6 +5,9 @@ attend to the whole cache and never reach it; in layers [full_layers, L) the mod
 `lax.scan` over those layers, one layer at a time, so everything is traced (static shapes, no Python branching
 on array values). A new policy is one module implementing `init_state`, `select` and the declarations below.
 
+At prefill, per selecting layer: `observe_queries` (only with `prompt_queries` > 0: the prompt's last queries,
+as SnapKV and InfiniGen need), then `after_prefill` (index the prompt's keys), then `prompt_rows` (layout).
+
 Per decode step, for each selecting layer, `decode_attention` (generic, below) runs:
 
 1. `index_recent`: the policy may index the window of recent tokens it has not indexed yet (and
