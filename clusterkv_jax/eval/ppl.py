@@ -26,20 +26,6 @@ from clusterkv_jax.policies import FullKV
 from clusterkv_jax.policies.base import KVPolicy
 
 
-def _log_probs(logits: jax.Array) -> jax.Array:
-    return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-
-
-def _scores(logp: jax.Array, target: jax.Array, reference: jax.Array | None) -> dict[str, jax.Array]:
-    """One position's scores from log-probabilities logp [B, V]: the NLL of target [B]; with the full-KV
-    log-probabilities reference [B, V], KL(full || policy) and whether both rank the same token first."""
-    out = {"nll": -jnp.take_along_axis(logp, target[:, None], axis=-1)[:, 0]}
-    if reference is not None:
-        out["kl"] = jnp.sum(jnp.exp(reference) * (reference - logp), axis=-1)
-        out["top1"] = jnp.argmax(logp, axis=-1) == jnp.argmax(reference, axis=-1)
-    return out
-
-
 @functools.partial(jax.jit, static_argnames=("config", "policy", "capacity", "cache_dtype", "keep_log_probs"))
 def teacher_forced(params, prompt, lengths, continuation, reference=None, *, config: ModelConfig, policy: KVPolicy,
                    capacity: int, cache_dtype, keep_log_probs: bool = False) -> dict[str, jax.Array]:
@@ -53,11 +39,14 @@ def teacher_forced(params, prompt, lengths, continuation, reference=None, *, con
     B = prompt.shape[0]
     cache = init_cache(config, policy, B, capacity, cache_dtype)
     logits, cache = forward_prefill(params, config, policy, prompt, lengths, cache)
-    ref = None if reference is None else jnp.moveaxis(reference, 1, 0)  # [E, B, V]
 
-    def scored(logits, t, target):
-        logp = _log_probs(logits)
-        out = _scores(logp, target, None if ref is None else ref[t])
+    def scored(logits, t, target):  # position t's scores from logits [B, V]
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        out = {"nll": -jnp.take_along_axis(logp, target[:, None], axis=-1)[:, 0]}
+        if reference is not None:
+            ref = jax.lax.dynamic_index_in_dim(reference, t, axis=1, keepdims=False)  # [B, V]
+            out["kl"] = jnp.sum(jnp.exp(ref) * (ref - logp), axis=-1)
+            out["top1"] = jnp.argmax(logp, axis=-1) == jnp.argmax(ref, axis=-1)
         if keep_log_probs:
             out["log_probs"] = logp
         return out

@@ -65,10 +65,13 @@ class KVPolicy:
     #: `after_prefill` (SnapKV scores the prompt by them, InfiniGen skews its channels by them).
     prompt_queries: int = 0
 
+    #: The least value of the common int fields a policy declares (checked by `__post_init__`).
+    _AT_LEAST = {"budget": 1, "full_layers": 0, "cache_steps": 0}
+
     def __post_init__(self):
         """Checks that every field declared int holds an integer and every float field a finite number, so a
-        budget of 512.0 or a NaN tolerance is refused here instead of failing deep inside JAX. Subclasses that
-        check more call this first."""
+        budget of 512.0 or a NaN tolerance is refused here instead of failing deep inside JAX, and the common
+        fields' ranges (`_AT_LEAST`). Subclasses that check more call this first."""
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", "")
@@ -77,6 +80,9 @@ class KVPolicy:
             if kind == "float" and (isinstance(value, bool) or not isinstance(value, Real)
                                     or not math.isfinite(value)):
                 raise TypeError(f"{type(self).__name__}.{field.name} must be a finite number, got {value!r}")
+            least = self._AT_LEAST.get(field.name)
+            if least is not None and value < least:
+                raise ValueError(f"{field.name} must be >= {least}, got {value}")
 
     # ---- What the model, the offload path and the benchmarks need to know (static) ----------------------
 
@@ -210,6 +216,21 @@ class KVPolicy:
         with jax.named_scope("attend"):
             out = selection_and_window_attention(q, k_sel, v_sel, selection.flat_mask(), k_win, v_win, w_mask)
         return out, state, kv
+
+
+class PromptBudgetPolicy(KVPolicy):
+    """A policy whose budget covers prompt tokens only (`budget` field): `select` picks min(budget, S) prompt
+    tokens per query head, and it never indexes generated tokens, so all of them, [prompt_length, length), are
+    attended outside the budget through a static window of the whole capacity (masked past the length)."""
+
+    def selection_shape(self, config: ModelConfig, batch_size: int, capacity: int) -> tuple[int, int, int, int]:
+        return (batch_size, config.num_heads, min(self.budget, capacity), 1)
+
+    def window_size(self, capacity: int) -> int:
+        return capacity  # the generated region is bounded only by the capacity
+
+    def window_start(self, state: Any, lengths: jax.Array, prompt_lengths: jax.Array) -> jax.Array:
+        return prompt_lengths
 
 
 class StatelessPolicy(KVPolicy):

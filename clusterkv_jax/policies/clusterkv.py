@@ -194,8 +194,8 @@ class ClusterKV(KVPolicy):
         super().__post_init__()
         if self.sinks < 0:
             raise ValueError(f"sinks must be >= 0, got {self.sinks}")
-        if self.budget < max(self.sinks, 1):
-            raise ValueError(f"budget={self.budget} must be >= sinks={self.sinks} and >= 1")
+        if self.budget < self.sinks:
+            raise ValueError(f"budget={self.budget} must be >= sinks={self.sinks}")
         if self.tokens_per_cluster <= 0:
             raise ValueError(f"tokens_per_cluster must be > 0, got {self.tokens_per_cluster}")
         if self.decode_interval <= 0:
@@ -204,8 +204,6 @@ class ClusterKV(KVPolicy):
             raise ValueError(
                 f"decode_clusters={self.decode_clusters} must be in [1, decode_interval={self.decode_interval}]"
             )
-        if self.full_layers < 0:
-            raise ValueError(f"full_layers must be >= 0, got {self.full_layers}")
         if not 0.0 <= self.kmeans_tol < 1.0:
             raise ValueError(f"kmeans_tol must be in [0, 1), got {self.kmeans_tol}")
         if self.max_iters < 1:
@@ -218,8 +216,6 @@ class ClusterKV(KVPolicy):
             raise ValueError(f"score must be one of {', '.join(SCORES)}, got {self.score!r}")
         if self.gqa not in ("per_head", "shared"):
             raise ValueError(f"gqa must be 'per_head' or 'shared', got {self.gqa!r}")
-        if self.cache_steps < 0:
-            raise ValueError(f"cache_steps must be >= 0, got {self.cache_steps}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.kernels not in ("auto", "pallas", "reference", "interpret"):

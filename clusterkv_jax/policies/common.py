@@ -30,6 +30,11 @@ def sink_slots(lengths: jax.Array, sinks: int) -> tuple[jax.Array, jax.Array]:
     return idx, idx < lengths[:, None]
 
 
+def keep_observed(previous: jax.Array, queries: jax.Array, found: jax.Array) -> jax.Array:
+    """`KVPolicy.observe_queries`' merge: the found slots of queries [B, N, n, H] (found [B, n]), else previous."""
+    return jnp.where(found[:, None, :, None], queries, previous)
+
+
 def expand_heads(x: jax.Array, heads: int) -> jax.Array:
     """[B, M] -> [B, heads, M] (the same slots for every head)."""
     return jnp.broadcast_to(x[:, None, :], (x.shape[0], heads, x.shape[1]))

@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from clusterkv_jax.ops import top_k_indices
-from clusterkv_jax.policies.base import KVPolicy
+from clusterkv_jax.policies.base import PromptBudgetPolicy
+from clusterkv_jax.policies.common import keep_observed
 
 
 @flax.struct.dataclass
@@ -43,13 +44,12 @@ def partial_channels(head_dim: int, ratio: float) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class InfiniGen(KVPolicy):
+class InfiniGen(PromptBudgetPolicy):
     """Per query head: the `budget` prompt tokens with the largest partial score (qA_r)·(kA_r), plus every
     generated token.
 
-    Budget accounting: as `OracleTopK`, the budget covers prompt tokens only; generated tokens are not
-    indexed, so all of them are attended in full, outside the budget. It reads every prompt token's r partial
-    channels at every step (r / H of the keys' bytes), and cannot offload.
+    Budget accounting (`PromptBudgetPolicy`): prompt tokens only, every generated token attended outside it.
+    It reads every prompt token's r partial channels at every step (r / H of the keys' bytes).
     """
 
     budget: int = 1024
@@ -59,27 +59,14 @@ class InfiniGen(KVPolicy):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.budget <= 0:
-            raise ValueError(f"budget must be > 0, got {self.budget}")
         if not 0 < self.partial_ratio <= 1:
             raise ValueError(f"partial_ratio must be in (0, 1], got {self.partial_ratio}")
         if self.sample <= 0:
             raise ValueError(f"sample must be > 0, got {self.sample}")
-        if self.full_layers < 0:
-            raise ValueError(f"full_layers must be >= 0, got {self.full_layers}")
 
     @property
     def prompt_queries(self) -> int:
         return self.sample
-
-    def selection_shape(self, config, batch_size, capacity):
-        return (batch_size, config.num_heads, min(self.budget, capacity), 1)
-
-    def window_size(self, capacity):
-        return capacity
-
-    def window_start(self, state, lengths, prompt_lengths):
-        return prompt_lengths
 
     def metadata_bytes(self, config, context):
         return config.num_kv_heads * context * partial_channels(config.head_dim, self.partial_ratio) * 4
@@ -92,7 +79,7 @@ class InfiniGen(KVPolicy):
                               partial_keys=jnp.zeros((B, K, capacity, r), jnp.float32))
 
     def observe_queries(self, state, queries, found):
-        return state.replace(queries=jnp.where(found[:, None, :, None], queries, state.queries))
+        return state.replace(queries=keep_observed(state.queries, queries, found))
 
     def after_prefill(self, state, keys, lengths):
         B, N, n, H = state.queries.shape

@@ -11,11 +11,11 @@ import jax.numpy as jnp
 
 from clusterkv_jax.ops import top_k_indices
 
-from clusterkv_jax.policies.base import StatelessPolicy
+from clusterkv_jax.policies.base import PromptBudgetPolicy, StatelessPolicy
 
 
 @dataclasses.dataclass(frozen=True)
-class OracleTopK(StatelessPolicy):
+class OracleTopK(StatelessPolicy, PromptBudgetPolicy):
     """Each query head attends to the `budget` prompt tokens (positions < prompt_length) with the largest
     raw inner product q·k (query head n reads KV head n // G), found by scoring every prompt token, plus every
     generated token [prompt_length, length).
@@ -23,30 +23,13 @@ class OracleTopK(StatelessPolicy):
     Not a practical policy (it reads all keys every step); it is the ideal selection a compressed policy's
     recall is measured against. It keeps no index (its state is a placeholder).
 
-    Budget accounting: the budget covers prompt tokens only; it never indexes generated tokens, so all of
-    them are attended in full, outside the budget (a static window of S slots, masked past the length).
+    Budget accounting (`PromptBudgetPolicy`): prompt tokens only, every generated token attended outside it.
     A prompt of n tokens gives min(n, budget) selected tokens per head.
     """
 
     budget: int = 1024
     full_layers: int = 2
     reads_all_keys = True  # it scores every prompt key at every step
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.budget <= 0:
-            raise ValueError(f"budget must be > 0, got {self.budget}")
-        if self.full_layers < 0:
-            raise ValueError(f"full_layers must be >= 0, got {self.full_layers}")
-
-    def selection_shape(self, config, batch_size, capacity):
-        return (batch_size, config.num_heads, min(self.budget, capacity), 1)
-
-    def window_size(self, capacity):
-        return capacity  # the generated region [prompt_length, length) is bounded only by the capacity
-
-    def window_start(self, state, lengths, prompt_lengths):
-        return prompt_lengths
 
     def select(self, state, q, keys, lengths, prompt_lengths):
         """The exact top prompt tokens: idx, mask [B, N, min(budget, S)]."""

@@ -65,8 +65,6 @@ class Quest(KVPolicy):
         super().__post_init__()
         if self.page_size <= 0:
             raise ValueError(f"page_size must be > 0, got {self.page_size}")
-        if self.budget <= 0:
-            raise ValueError(f"budget must be > 0, got {self.budget}")
         if self.budget < self.page_size:
             raise ValueError(f"budget={self.budget} must be >= page_size={self.page_size} (one whole page)")
         if self.sinks < 0:
@@ -75,10 +73,6 @@ class Quest(KVPolicy):
         if sink_pages > self.budget // self.page_size:
             raise ValueError(f"sinks={self.sinks} need {sink_pages} pages of {self.page_size}; budget={self.budget} "
                              f"holds {self.budget // self.page_size}")
-        if self.full_layers < 0:
-            raise ValueError(f"full_layers must be >= 0, got {self.full_layers}")
-        if self.cache_steps < 0:
-            raise ValueError(f"cache_steps must be >= 0, got {self.cache_steps}")
 
     def num_pages(self, capacity: int) -> int:
         """Static page capacity: prompt pages plus generated pages never exceed ceil(S / page_size) + 1."""

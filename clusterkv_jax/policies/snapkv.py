@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from clusterkv_jax.ops import top_k_indices
-from clusterkv_jax.policies.base import KVPolicy
+from clusterkv_jax.policies.base import PromptBudgetPolicy
+from clusterkv_jax.policies.common import keep_observed
 
 
 @flax.struct.dataclass
@@ -32,13 +33,12 @@ class SnapKVState:
 
 
 @dataclasses.dataclass(frozen=True)
-class SnapKV(KVPolicy):
+class SnapKV(PromptBudgetPolicy):
     """Per query head: the window's tokens plus the `budget - window` earlier prompt tokens with the most pooled
     votes (query head n reads KV head n // G, as in the other per-head policies).
 
-    Budget accounting: the budget covers prompt tokens, the window included; generated tokens are never
-    evicted, so all of them are attended outside the budget (a static window of S slots, masked past the
-    length), as `OracleTopK` does. A prompt of at most `budget` tokens is kept whole.
+    Budget accounting (`PromptBudgetPolicy`): prompt tokens, the window included; generated tokens are never
+    evicted, so all of them are attended outside the budget. A prompt of at most `budget` tokens is kept whole.
     """
 
     budget: int = 1024
@@ -54,21 +54,10 @@ class SnapKV(KVPolicy):
             raise ValueError(f"budget={self.budget} must be >= window={self.window} (the window is kept)")
         if self.kernel <= 0 or self.kernel % 2 == 0:
             raise ValueError(f"kernel must be a positive odd number, got {self.kernel}")
-        if self.full_layers < 0:
-            raise ValueError(f"full_layers must be >= 0, got {self.full_layers}")
 
     @property
     def prompt_queries(self) -> int:
         return self.window
-
-    def selection_shape(self, config, batch_size, capacity):
-        return (batch_size, config.num_heads, min(self.budget, capacity), 1)
-
-    def window_size(self, capacity):
-        return capacity  # the generated region [prompt_length, length) is bounded only by the capacity
-
-    def window_start(self, state, lengths, prompt_lengths):
-        return prompt_lengths
 
     def init_state(self, config, batch_size, capacity):
         B, N, M = batch_size, config.num_heads, min(self.budget, capacity)
@@ -76,7 +65,7 @@ class SnapKV(KVPolicy):
                            idx=jnp.zeros((B, N, M), jnp.int32), mask=jnp.zeros((B, N, M), bool))
 
     def observe_queries(self, state, queries, found):
-        return state.replace(queries=jnp.where(found[:, None, :, None], queries, state.queries))
+        return state.replace(queries=keep_observed(state.queries, queries, found))
 
     def after_prefill(self, state, keys, lengths):
         B, N, n, H = state.queries.shape

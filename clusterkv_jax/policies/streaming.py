@@ -31,14 +31,10 @@ class StreamingLLM(StatelessPolicy):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.budget <= 0:
-            raise ValueError(f"budget must be > 0, got {self.budget}")
         if self.sinks < 0:
             raise ValueError(f"sinks must be >= 0, got {self.sinks}")
         if self.budget < self.sinks:
             raise ValueError(f"budget={self.budget} must be >= sinks={self.sinks}")
-        if self.full_layers < 0:
-            raise ValueError(f"full_layers must be >= 0, got {self.full_layers}")
 
     def selection_shape(self, config, batch_size, capacity):
         return (batch_size, config.num_heads, self.budget, 1)
