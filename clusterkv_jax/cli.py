@@ -227,11 +227,8 @@ def _add_policy_flags(parser) -> None:
                              "(default: ClusterKV's)")
     parser.add_argument("--kmeans-iters", type=_positive_int, default=None, metavar="N",
                         help="ClusterKV: K-means iterations at most (default: ClusterKV's max_iters)")
-    parser.add_argument("--score", choices=["dot", "density", "calibrated"], default=None,
-                        help="ClusterKV's cluster score (default: ClusterKV's, 'dot' = q·mu as in the paper; "
-                             "'calibrated' needs --score-weights)")
-    parser.add_argument("--score-weights", default=None, metavar="FILE",
-                        help="ClusterKV: the weights of --score calibrated, written by `clusterkv calibrate`")
+    parser.add_argument("--score", choices=["dot", "density"], default=None,
+                        help="ClusterKV's cluster score (default: ClusterKV's, 'dot' = q·mu as in the paper)")
     parser.add_argument("--block-refine", type=_positive_int, default=None, metavar="F",
                         help="ClusterKV: take clusters up to F x the budget, keep their best blocks (1: off)")
     parser.add_argument("--tokens-per-cluster", type=_positive_int, default=None, metavar="N",
@@ -251,12 +248,6 @@ def _policy_options(args) -> dict:
         clusterkv["max_iters"] = args.kmeans_iters
     if args.score is not None:
         clusterkv["score"] = args.score
-    if args.score_weights is not None:
-        from clusterkv_jax.calibrate import load_weights
-
-        if args.score not in (None, "calibrated"):
-            raise ValueError(f"--score-weights goes with --score calibrated, not --score {args.score}")
-        clusterkv.update(score="calibrated", score_weights=load_weights(args.score_weights))
     if args.block_refine is not None:
         clusterkv["block_refine"] = args.block_refine
     if args.tokens_per_cluster is not None:
@@ -264,51 +255,6 @@ def _policy_options(args) -> dict:
     if args.block_size is not None:
         clusterkv["block_size"] = args.block_size
     return {"clusterkv": clusterkv, "quest": dict(sinks=args.quest_sinks)}
-
-
-def _options_record(options: dict, args) -> dict:
-    """The policy options as a results file records them: calibration weights by their file's path."""
-    if "score_weights" not in options.get("clusterkv", {}):
-        return options
-    return dict(options, clusterkv=dict(options["clusterkv"], score_weights=os.path.abspath(args.score_weights)))
-
-
-def cmd_calibrate(args) -> int:
-    import numpy as np
-
-    from clusterkv_jax import calibrate
-    from clusterkv_jax.eval.policies import make_policy
-
-    _check_outputs(argparse.Namespace(json=args.out))
-    model, ids = _eval_inputs(args)
-    options = {k: v for k, v in _policy_options(args)["clusterkv"].items() if k not in ("score", "score_weights")}
-    policy = make_policy("clusterkv", args.budgets[0], **options)
-    spans = {"calibration": args.offset} | ({"check": args.check_offset} if args.check_offset is not None else {})
-    for name, offset in spans.items():
-        if len(ids) < offset + args.context:
-            raise ValueError(f"--text has {len(ids)} tokens; the {name} span [{offset}, {offset + args.context}) "
-                             "needs more")
-    samples = {name: calibrate.collect_samples(model, ids[offset:offset + args.context], policy=policy,
-                                               context=args.context, queries=args.queries)
-               for name, offset in spans.items()}
-    weights, loss = calibrate.fit_weights(samples["calibration"], steps=args.steps, learning_rate=args.learning_rate)
-    calibrate.save(args.out, weights, model.config, policy=policy, about={
-        "text": os.path.abspath(args.text), "offset": args.offset, "context": args.context, "queries": args.queries,
-        "steps": args.steps, "learning_rate": args.learning_rate, "loss": loss})
-    n, N = weights.shape[:2]
-    scores = {"dot (paper)": np.broadcast_to([1.0, 0.0, 0.0], (n, N, 3)),
-              "density": np.broadcast_to(calibrate.DENSITY, (n, N, 3)), "calibrated": weights,
-              "cluster oracle": None}
-    print(f"fitted {n} layers x {N} query heads: cross-entropy {loss:.4f}")
-    for name, sample in samples.items():
-        offset = spans[name]
-        print(f"\nmass share kept on clustered tokens (estimate), {name} span [{offset}, {offset + args.context})")
-        print("| score | " + " | ".join(f"B={b}" for b in args.budgets) + " |\n|---|" + "---|" * len(args.budgets))
-        for label, w in scores.items():
-            kept = calibrate.rank_recall(sample, w, args.budgets, policy.sinks)
-            print(f"| {label} | " + " | ".join(f"{kept[b]:.4f}" for b in args.budgets) + " |")
-    print(f"wrote {args.out}", file=sys.stderr)
-    return 0
 
 
 def _finish(results, args, name, tables, title, fmt="{:.3f}") -> int:
@@ -333,7 +279,7 @@ def cmd_eval_recall(args) -> int:
     options = _policy_options(args)
     results = run_recall(model, ids, context=args.context, steps=args.steps, budgets=args.budgets,
                          policy_names=args.policies, policy_options=options)
-    results["policy_options"] = _options_record(options, args)
+    results["policy_options"] = options
     return _finish(results, args, "recall", {"top-B token recall": results["token_recall"],
                                              "attention-mass recall": results["mass_recall"]},
                    f"Recall, context {args.context}, {args.steps} steps")
@@ -621,24 +567,6 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--context", type=_positive_int, default=8000)
     a.add_argument("--new-tokens", type=_positive_int, default=64)
     a.add_argument("--samples", type=_positive_int, default=4)
-
-    c = sub.add_parser("calibrate", help="fit ClusterKV's --score calibrated weights on calibration text (optax)")
-    c.add_argument("--model", required=True, help="a converted checkpoint directory")
-    c.add_argument("--text", required=True, help="a long UTF-8 text file")
-    c.add_argument("--offset", type=_nonnegative_int, default=0, help="first token of the calibration span")
-    c.add_argument("--context", type=_positive_int, default=8000, help="tokens of the calibration span")
-    c.add_argument("--queries", type=_positive_int, default=128,
-                   help="the span's last N queries are the samples (the tokens before them are clustered)")
-    c.add_argument("--check-offset", type=_nonnegative_int, default=None, metavar="T",
-                   help="also compare the scores on the held-apart span starting at token T")
-    c.add_argument("--budgets", type=_int_list, default=[256, 512, 1024, 2048])
-    c.add_argument("--steps", type=_positive_int, default=300, help="Adam steps")
-    c.add_argument("--learning-rate", type=float, default=0.05)
-    c.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    c.add_argument("--max-chars", type=_nonnegative_int, default=0, help="read only this much of the text (0: all)")
-    c.add_argument("--out", required=True, help="the weights' JSON file (for --score-weights)")
-    _add_policy_flags(c)
-    c.set_defaults(func=cmd_calibrate)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     o = bench.add_parser("offload", help="ClusterKV with host-offloaded KV: cache hit rates, KV bytes, clustering share")

@@ -32,7 +32,6 @@ import functools
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from clusterkv_jax.kmeans import cosine_kmeans, problem_keys
 from clusterkv_jax.ops import per_shard, top_k_indices
@@ -45,7 +44,7 @@ from pallas_kernels import (
     use_kernels,
 )
 
-SCORES = ("dot", "density", "calibrated")
+SCORES = ("dot", "density")
 
 
 def _segment_means(x: jax.Array, segments: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
@@ -77,7 +76,6 @@ class ClusterIndex:
     num_prompt_clusters: jax.Array  # [B] int32 C0 of each sequence (decode-time clusters follow)
     variances: jax.Array  # [B, K, C, H] float32 per-channel variance of member keys ([B, K, 0, H]: score "dot")
     block_means: jax.Array  # [B, K, R // bs, H] float32 mean key of each store block's rows ([B, K, 0, H]: no refine)
-    score_weights: jax.Array  # [B, N, 3] float32 this layer's weights of score "calibrated" ([B, N, 0]: another score)
 
 
 def _exclusive_cumsum(x: jax.Array) -> jax.Array:
@@ -153,10 +151,6 @@ def _scatter_last(x, index, values):
     return jax.vmap(jax.vmap(lambda a, i, v: a.at[i].set(v, mode="drop")))(x, index, values)
 
 
-def _nested_tuple(x: np.ndarray):
-    return tuple(_nested_tuple(v) for v in x) if x.ndim else float(x)
-
-
 @dataclasses.dataclass(frozen=True)
 class ClusterKV(KVPolicy):
     """ClusterKV (see the module docstring). `gqa="per_head"` ranks clusters per query head; `"shared"` sums
@@ -182,11 +176,8 @@ class ClusterKV(KVPolicy):
     #: How clusters are ranked at decode. "dot": q·μ (the paper). "density": q·μ/√H + ½ Σ_h q_h² σ_h² / H, the log
     #: of a member's mean exp(q·k/√H) if member keys were Gaussian with the cluster's per-channel variance σ²
     #: (mass per token: what a token budget filled greedily should rank by); it keeps σ² per cluster (as much
-    #: memory as the centroids). "calibrated": w0·q·μ/√H + w1·½ Σ_h q_h² σ_h² / H + w2·log(size), weights per layer
-    #: and query head fitted on calibration text (`clusterkv_jax.calibrate`, `clusterkv calibrate`).
+    #: memory as the centroids).
     score: str = "dot"
-    #: score "calibrated" only: per model layer, per query head, (w0, w1, w2) (`calibrate.load_weights`).
-    score_weights: tuple = ()
     #: 1: select whole clusters (the paper). f >= 2: take clusters in score order until f times the budget, then
     #: keep the best blocks among theirs by q·(mean key of the block), the last trimmed: finer than clusters, at
     #: the cost of a mean key per store block (1/16 of the keys at block_size 16) and scoring f·B/16 blocks.
@@ -201,8 +192,6 @@ class ClusterKV(KVPolicy):
 
     def __post_init__(self):
         super().__post_init__()
-        if not isinstance(self.score_weights, tuple):  # a list or an array: hashable nested tuples of floats
-            object.__setattr__(self, "score_weights", _nested_tuple(np.asarray(self.score_weights, np.float32)))
         if self.sinks < 0:
             raise ValueError(f"sinks must be >= 0, got {self.sinks}")
         if self.budget < self.sinks:
@@ -225,9 +214,6 @@ class ClusterKV(KVPolicy):
             raise ValueError(f"block_refine must be >= 1, got {self.block_refine}")
         if self.score not in SCORES:
             raise ValueError(f"score must be one of {', '.join(SCORES)}, got {self.score!r}")
-        if (self.score == "calibrated") != bool(self.score_weights):
-            raise ValueError("score='calibrated' needs score_weights (clusterkv calibrate writes them), and only it "
-                             "takes them")
         if self.gqa not in ("per_head", "shared"):
             raise ValueError(f"gqa must be 'per_head' or 'shared', got {self.gqa!r}")
         if self.block_size < 1:
@@ -301,19 +287,7 @@ class ClusterKV(KVPolicy):
             num_prompt_clusters=zi(B),
             variances=jnp.zeros((B, K, C if self.score != "dot" else 0, H), jnp.float32),
             block_means=jnp.zeros((B, K, R // self.block_size if self.block_refine > 1 else 0, H), jnp.float32),
-            score_weights=jnp.zeros((B, config.num_heads, 3 if self.score == "calibrated" else 0), jnp.float32),
         )
-
-    def init_states(self, config, batch_size, capacity, layers):
-        states = super().init_states(config, batch_size, capacity, layers)
-        if self.score != "calibrated":
-            return states
-        weights = np.asarray(self.score_weights, np.float32)
-        if weights.shape != (config.num_layers, config.num_heads, 3) or not np.all(np.isfinite(weights)):
-            raise ValueError(f"score_weights must be finite, shaped (layers, query heads, 3) = "
-                             f"({config.num_layers}, {config.num_heads}, 3) for this model, got {weights.shape}")
-        ours = jnp.asarray(weights[layers.start:layers.stop])[:, None]  # [n, 1, N, 3]
-        return states.replace(score_weights=jnp.broadcast_to(ours, states.score_weights.shape))
 
     def after_prefill(self, state: ClusterIndex, keys, lengths):
         B, K, S, H = keys.shape
@@ -457,13 +431,6 @@ class ClusterKV(KVPolicy):
         # Centroids as the left operand: a [C, H] x [H, G] product per KV head.
         per_cluster = lambda table, queries: jnp.swapaxes(  # noqa: E731
             jnp.einsum("BKCH,BKGH->BKCG", table, queries), -1, -2)
-        if self.score == "calibrated":  # each query head's weights scale its query (and squared query)
-            w = state.score_weights[..., None]  # [B, N, 3, 1]
-            dot = per_cluster(state.centroids, self._grouped(q * w[:, :, 0], K, lambda x: x))
-            spread = per_cluster(state.variances, self._grouped(q * q * w[:, :, 1], K, lambda x: x))
-            log_size = jnp.log(jnp.maximum(state.sizes, 1).astype(jnp.float32))[:, :, None]  # [B, K, 1, C]
-            return (dot / H ** 0.5 + 0.5 * spread / H
-                    + self._grouped(w[:, :, 2], K, lambda x: x) * log_size)
         dot = per_cluster(state.centroids, self._grouped(q, K, lambda x: x))
         if self.score == "dot":
             return dot
