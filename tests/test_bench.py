@@ -56,25 +56,36 @@ def test_bench_decode_times_the_tokens_generate_produces():
         assert row["full"]["speedup_vs_full"] == 1.0
 
 
-def test_bench_decode_offloaded_reports_the_recall_hit_rate_of_its_decoding():
+def test_bench_decode_offloaded_runs_beside_its_on_device_twin_and_reports_the_recall_hit_rate():
     from clusterkv_jax.bench.report import format_decode_context
     from clusterkv_jax.offload import hit_rates
 
     prompt = np.random.default_rng(1).integers(0, CFG.vocab_size, (1, 150)).astype(np.int32)
-    policy = ClusterKV(budget=32, offload=True, **SMALL)
-    results = bench_decode(PARAMS, CFG, {"full": FullKV(offload=True), "clusterkv@32": policy}, [150], decode=12,
-                           batch=1, prompt_fn=lambda c, b: prompt[:b, :c], bandwidth_Bps=1e10, progress=False)
+    policies = make_policies(["clusterkv"], [32], offload_kv=True, policy_options={"clusterkv": SMALL})
+    assert {name: p.offload for name, p in policies.items()} == {
+        "full": False, "clusterkv@32": False, "full offloaded": True, "clusterkv@32 offloaded": True}
+    results = bench_decode(PARAMS, CFG, policies, [150], decode=12, batch=1, prompt_fn=lambda c, b: prompt[:b, :c],
+                           bandwidth_Bps=1e10, progress=False)
     row = results["contexts"]["150"]
     # The same decoding through generate: 12 decode steps after the prefill's token.
-    expected = generate(Model(config=CFG, params=PARAMS, tokenizer=None), prompt[0].tolist(), 13, policy=policy,
-                        stop_at_eos=False, return_cache=True)
-    assert row["clusterkv@32"]["tokens"] == expected.tokens[0]
+    offloaded = row["clusterkv@32 offloaded"]
+    expected = generate(Model(config=CFG, params=PARAMS, tokenizer=None), prompt[0].tolist(), 13,
+                        policy=policies["clusterkv@32 offloaded"], stop_at_eos=False, return_cache=True)
+    assert offloaded["tokens"] == expected.tokens[0] == row["clusterkv@32"]["tokens"]  # offloading changes nothing
     rates = [r for r in hit_rates(expected.cache) if r is not None]
-    assert row["clusterkv@32"]["recall_hit_rate"] == pytest.approx(np.mean(rates))
-    assert 0 < row["clusterkv@32"]["recall_hit_rate"] < 1
-    assert "recall_hit_rate" not in row["full"]  # FullKV offloaded selects nothing: no recall cache
+    assert offloaded["recall_hit_rate"] == pytest.approx(np.mean(rates))
+    assert 0 < offloaded["recall_hit_rate"] < 1
+    assert "recall_hit_rate" not in row["full offloaded"]  # FullKV offloaded selects nothing: no recall cache
+    # Each offloaded twin's speed relative to its on-device twin, from the same run.
+    for name in ("full", "clusterkv@32"):
+        twin = row[name + " offloaded"]
+        assert twin["speedup_vs_on_device"] == pytest.approx(row[name]["decode_ms"] / twin["decode_ms"])
+        assert "speedup_vs_on_device" not in row[name]
     table = format_decode_context(150, row)
-    assert "recall hit rate" in table and f"{row['clusterkv@32']['recall_hit_rate']:.3f} |" in table
+    assert "recall hit rate" in table and f"{offloaded['recall_hit_rate']:.3f} |" in table
+    assert f"| {offloaded['speedup_vs_on_device']:.2f}x |" in table
+    with pytest.raises(ValueError, match="--offload supports full, clusterkv and quest, not 'streaming'"):
+        make_policies(["streaming"], [32], offload_kv=True)
 
 
 def test_synthetic_cache_decodes_alike_on_device_and_offloaded():

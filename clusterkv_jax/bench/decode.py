@@ -40,22 +40,25 @@ from clusterkv_jax.policies import FullKV, KVPolicy
 WARMUP_STEPS = 2
 
 
+OFFLOADED = " offloaded"  # the label suffix of a policy's host-offloaded twin
+
+
 def make_policies(names: list[str], budgets: list[int], offload_kv: bool = False,
                   policy_options: dict[str, dict] | None = None) -> dict[str, KVPolicy]:
     """{label: policy}: full KV once, every other policy at every budget ("clusterkv@1024"), each built with
-    its `policy_options[name]`."""
-    policies: dict[str, KVPolicy] = {"full": FullKV(offload=offload_kv)}
+    its `policy_options[name]`. With `offload_kv`, each also has its host-offloaded twin ("clusterkv@1024
+    offloaded") decoding in the same run, so the cost of offloading is a ratio measured interleaved."""
+    policies: dict[str, KVPolicy] = {"full": FullKV()}  # every ratio's reference: full KV on the device
     for name in names:
         if name == "full":
             continue
         for b in budgets:
-            extra = dict((policy_options or {}).get(name, {}))
-            if offload_kv:
-                extra["offload"] = True
-            try:
-                policies[f"{name}@{b}"] = make_policy(name, b, **extra)
-            except TypeError:
-                raise ValueError(f"--offload supports full, clusterkv and quest, not {name!r}") from None
+            policies[f"{name}@{b}"] = make_policy(name, b, **(policy_options or {}).get(name, {}))
+    if offload_kv:
+        for label, policy in list(policies.items()):
+            if "offload" not in {f.name for f in dataclasses.fields(policy)}:
+                raise ValueError(f"--offload supports full, clusterkv and quest, not {label.split('@')[0]!r}")
+            policies[label + OFFLOADED] = dataclasses.replace(policy, offload=True)
     return policies
 
 
@@ -211,8 +214,10 @@ def bench_decode(
                 info["roofline_ms"] = 1e3 * info["step_bytes"]["total"] / bandwidth_Bps
                 info["x_roofline"] = info["decode_ms"] / info["roofline_ms"]
         full_ms = row["full"]["decode_ms"]
-        for info in row.values():
+        for name, info in row.items():
             info["speedup_vs_full"] = full_ms / info["decode_ms"]
+            if name.endswith(OFFLOADED) and name[:-len(OFFLOADED)] in row:  # its on-device twin ran alongside
+                info["speedup_vs_on_device"] = row[name[:-len(OFFLOADED)]]["decode_ms"] / info["decode_ms"]
         results["contexts"][str(context)] = row
         if progress:
             print(format_decode_context(context, row), file=sys.stderr)

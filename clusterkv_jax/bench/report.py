@@ -16,6 +16,10 @@ def format_decode_context(context: int, row: dict[str, Any]) -> str:
              "| policy | prefill s | indexing s (share) | decode ms/token | tokens/s | vs full | x roofline | "
              "end-to-end s | device KV MB | host KV MB |", "|---|---|---|---|---|---|---|---|---|---|"]
     hits = any("recall_hit_rate" in r for r in row.values())
+    twins = any("speedup_vs_on_device" in r for r in row.values())
+    if twins:  # offloaded twins of on-device policies: the ratio of the two
+        lines[1] += " vs on device |"
+        lines[2] += "---|"
     if hits:  # offloaded: the recall cache's hit rate
         lines[1] += " recall hit rate |"
         lines[2] += "---|"
@@ -29,6 +33,7 @@ def format_decode_context(context: int, row: dict[str, Any]) -> str:
             f"{r['decode_tokens_per_s']:.1f} | {r['speedup_vs_full']:.2f}x | {_fmt(r.get('x_roofline'), '.1f')} | "
             f"{_fmt(r.get('end_to_end_s'), '.2f')} | {_fmt(kvb.get('device', 0) / 1e6 if kvb else None, '.0f')} | "
             f"{_fmt(kvb.get('host', 0) / 1e6 if kvb else None, '.0f')} |"
+            + (f" {_fmt(r.get('speedup_vs_on_device'), '.2f')}{'x' * ('speedup_vs_on_device' in r)} |" if twins else "")
             + (f" {_fmt(r.get('recall_hit_rate'), '.3f')} |" if hits else ""))
     return "\n".join(lines)
 
