@@ -262,8 +262,8 @@ class HostLayer(LayerView):
         cached_k = take(layer_of(rc.k).reshape(B, h, R * c, chunk, H), where_cached)
         cached_v = take(layer_of(rc.v).reshape(B, h, R * c, chunk, H), where_cached)
 
-        # Misses first (stable), then fetch only as many chunks as the fullest head needs, rounded up to a bucket,
-        # written over the cache's stale rows in place (a hit among the first n is refetched: the same rows).
+        # Misses first (stable), then fetch only as many chunks as the fullest head needs, rounded up to a bucket;
+        # each missed slot takes its fetched chunk, every other slot its cached one.
         miss = mask & ~hit
         miss_first = jnp.argsort(~miss, axis=-1, stable=True)  # [B, h, c]
         miss_starts = jnp.take_along_axis(starts, miss_first, axis=-1)
@@ -271,18 +271,27 @@ class HostLayer(LayerView):
         most = jnp.max(jnp.sum(miss, axis=-1))
         bucket = jnp.sum(jnp.array(buckets[:-1]) < most)  # index of the smallest bucket holding `most`
 
+        # Slot j's place among the misses (fetched in slot order): its rows come from there when j missed.
+        miss_rank = jnp.cumsum(miss, axis=-1, dtype=jnp.int32) - 1  # [B, h, c]
+
         def fetch(n):
             def run(kv):
                 k, v = self.host_gather(miss_starts[..., :n], chunk)  # [B, h, n, chunk, H]
-                dest = miss_first[..., :n]
-                put = jax.vmap(jax.vmap(lambda z, d, r: z.at[d].set(r.astype(z.dtype))))
-                return put(kv[0], dest, k), put(kv[1], dest, v), jnp.float32(B * h * n * chunk)
+                # A select between two chunk gathers, not an in-place scatter into the cached rows (the switch's
+                # operands): XLA:CPU copies operands a branch updates, and scatters element by element.
+                source = jnp.clip(miss_rank, 0, n - 1)
+                fill = lambda cached, got: jnp.where(  # noqa: E731
+                    miss[..., None, None], take(got.astype(cached.dtype), source), cached)
+                return fill(kv[0], k), fill(kv[1], v), jnp.float32(B * h * n * chunk)
             return run
 
         k, v, moved = jax.lax.switch(bucket, [fetch(n) for n in buckets], (cached_k, cached_v))
         slot = layer_of(rc.step) % R
-        put = lambda a, x: jax.lax.dynamic_update_index_in_dim(
-            a, jax.lax.dynamic_update_index_in_dim(layer_of(a), x.astype(a.dtype), slot, axis=2), at, axis=0)
+
+        def put(a, x):  # this layer's slot `slot` of the cache <- x, one in-place update
+            index = tuple(jnp.asarray(i, jnp.int32) for i in (at, 0, 0, slot) + (0,) * (a.ndim - 4))
+            return jax.lax.dynamic_update_slice(a, x.astype(a.dtype)[None, :, :, None], index)
+
         hit_rows = jnp.sum(jnp.where(hit[..., None], selection.mask, False))
         rc = rc.replace(
             ids=put(rc.ids, jnp.where(mask, starts, -1)), k=put(rc.k, k), v=put(rc.v, v),
