@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from clusterkv_jax.ops import map_leading, per_shard, top_k_indices
-from pallas_kernels import centroid_update, centroid_update_reference
+from pallas_kernels import centroid_update, centroid_update_reference, centroid_update_tpu
 
 _EPS = 1e-12
 
@@ -81,17 +81,21 @@ def _assign(unit_keys, valid, directions, cluster_ok):
     return jnp.where(valid, labels, C)
 
 
-KERNEL_MODES = ("reference", "pallas", "interpret")
+KERNEL_MODES = ("reference", "pallas", "interpret", "tpu")
 
 
 def _member_sums(labels, x, C, kernel: str = "reference"):
     """Per-cluster sums of x [P, N, H] and counts (float32) of the labels [P, N] (masked keys have label C: no
     row), by `pallas_kernels.centroid_update`: the Pallas kernel ("pallas" on CUDA sm80+, "interpret" in Pallas
-    interpret mode on any device; per device shard under a mesh) or its pure-jnp reference ("reference")."""
+    interpret mode on any device; per device shard under a mesh), its Mosaic version ("tpu") or its pure-jnp
+    reference ("reference")."""
     if kernel == "reference":
         sums, counts = centroid_update_reference(x, labels, C)
     else:
-        run = functools.partial(centroid_update, num_clusters=C, interpret=kernel == "interpret")
+        if kernel == "tpu":
+            run = functools.partial(centroid_update_tpu, num_clusters=C)
+        else:
+            run = functools.partial(centroid_update, num_clusters=C, interpret=kernel == "interpret")
         sums, counts = per_shard(lambda x, labels: run(x, labels), x, labels)
     return sums, counts.astype(jnp.float32)
 

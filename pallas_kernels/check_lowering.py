@@ -1,4 +1,5 @@
-"""Lower every Pallas kernel for CUDA at realistic ClusterKV shapes, without a GPU.
+"""Lower every Pallas kernel for CUDA (and the Mosaic kernels for TPU) at realistic ClusterKV shapes, without a
+GPU or TPU.
 
     python -m pallas_kernels.check_lowering
 
@@ -7,6 +8,9 @@ each kernel becomes a `__gpu$xla.gpu.triton` custom call carrying the Triton IR 
 This script also parses that TTIR back and runs the MLIR verifier on it. The TTIR → TTGIR → PTX compilation
 is XLA:GPU's, at compile time, and needs the CUDA plugin (jax-cuda*-plugin); see `--ptx` below for an
 offline substitute.
+
+The TPU kernels (`*_tpu`) are lowered with `lowering_platforms=("tpu",)`: each becomes one `tpu_custom_call`
+carrying its Mosaic module (compiled by XLA:TPU at compile time, on a TPU).
 
 Prints one line per kernel and shape; exits 1 if any lowering fails.
 
@@ -36,6 +40,7 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.triton import dialect as tt_dialect
 
 from pallas_kernels.centroid_update import centroid_update
+from pallas_kernels.centroid_update_tpu import centroid_update_tpu
 from pallas_kernels.cluster_index import cluster_to_block_index
 
 TRITON_TARGET = "__gpu$xla.gpu.triton"
@@ -113,6 +118,23 @@ def _check(name: str, fn, *specs) -> list[TritonKernel] | None:
     return kernels
 
 
+def _check_tpu(name: str, fn, *specs) -> bool:
+    shapes = ", ".join(f"{s.dtype.name}{list(s.shape)}" for s in specs)
+    start = time.perf_counter()
+    try:
+        text = jax.jit(fn).trace(*specs).lower(lowering_platforms=("tpu",)).as_text()
+        calls = text.count("tpu_custom_call")
+        if not calls:
+            raise RuntimeError("no tpu_custom_call in the lowered module")
+    except Exception:  # noqa: BLE001 - report every failure, then exit non-zero
+        print(f"{name:38s} {shapes:52s} FAILED (tpu)")
+        traceback.print_exc()
+        return False
+    print(f"{name:38s} {shapes:52s} OK  stablehlo {len(text):6d} chars, {calls} mosaic kernel(s) for tpu "
+          f"({time.perf_counter() - start:.2f}s)")
+    return True
+
+
 def _compile_ptx(python: str, named: list[tuple[str, TritonKernel]]) -> bool:
     """TTIR → PTX → cubin for sm80 and sm90 in `python` (an interpreter with the PyPI triton package)."""
     script = Path(__file__).with_name("ttir_to_ptx.py")
@@ -158,10 +180,18 @@ def main(argv=None) -> int:
         results.append((name, kernels))
     ok = all(k is not None for _, k in results)
     print("all kernels lowered for cuda" if ok else "LOWERING FAILED")
+    print("lowering for platform tpu")
+    tpu_ok = True
+    for H in (128, 64):
+        for dtype in (jnp.float32, jnp.bfloat16):
+            fn = functools.partial(centroid_update_tpu, num_clusters=C)
+            tpu_ok &= _check_tpu(f"centroid_update_tpu {jnp.dtype(dtype).name} H={H}", fn,
+                                 S((1, P, N, H), dtype), S((1, P, N), i32))
+    print("all kernels lowered for tpu" if tpu_ok else "TPU LOWERING FAILED")
     if ok and args.ptx:
         ok = _compile_ptx(args.ptx, [(name, k) for name, ks in results for k in ks])
         print("all kernels compiled to cubin" if ok else "PTX COMPILATION FAILED")
-    return 0 if ok else 1
+    return 0 if ok and tpu_ok else 1
 
 
 if __name__ == "__main__":

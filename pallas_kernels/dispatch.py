@@ -2,6 +2,8 @@
 
 The kernels are Pallas *Triton* kernels: they compile only for an NVIDIA GPU of compute capability >= 8.0
 (Ampere or newer: bfloat16 matrix units). Anywhere else they run only in interpret mode (slow; for tests).
+On a TPU (`on_tpu`) the Mosaic kernels that exist (`centroid_update_tpu`) run instead; the others use their
+references there.
 """
 
 from __future__ import annotations
@@ -34,6 +36,16 @@ def kernels_supported(device=None) -> bool:
     cc = _compute_capability(device)
     # ROCm devices also report platform "gpu" but have no CUDA compute capability.
     return cc is not None and cc >= MIN_COMPUTE_CAPABILITY
+
+
+def on_tpu(device=None) -> bool:
+    """True on a TPU (default: the first JAX device): the Mosaic kernels (`*_tpu`) apply there."""
+    if device is None:
+        try:
+            device = jax.devices()[0]
+        except RuntimeError:
+            return False
+    return device.platform == "tpu"
 
 
 def use_kernels(mode: str, *, interpret: bool = False) -> bool:

@@ -147,6 +147,43 @@ def test_centroid_update_equals_kmeans_member_sums():
     np.testing.assert_allclose(np.asarray(sums), np.asarray(ref_sums), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize(
+    "lead, N, H, C, dtype, kind",
+    [
+        ((2, 3), 1000, 64, 37, jnp.float32, "uniform"),  # [B, K] problems, N and C not whole blocks
+        ((1,), 4099, 128, 300, jnp.float32, "giant"),  # several N- and C-blocks
+        ((2,), 700, 80, 130, jnp.bfloat16, "empty"),  # H not a multiple of 128, empty clusters
+        ((3,), 33, 128, 300, jnp.float32, "uniform"),  # fewer tokens than clusters
+        ((1,), 100, 64, 1, jnp.float32, "uniform"),
+    ],
+)
+def test_centroid_update_tpu_matches_reference_in_tpu_interpret_mode(lead, N, H, C, dtype, kind):
+    from pallas_kernels.centroid_update_tpu import centroid_update_tpu
+
+    P = int(np.prod(lead))
+    rng = np.random.default_rng(N + H + C)
+    keys = jnp.asarray(rng.standard_normal((P, N, H)), dtype)
+    labels = _labels(rng, P, N, C, kind, lengths=rng.integers(N // 2, N + 1, P),
+                     pad_label=int(rng.choice([C, -1])))
+    # Padding rows may hold garbage: it must not reach any sum.
+    keys = jnp.where(((labels == C) | (labels < 0))[..., None], jnp.nan, keys).reshape(*lead, N, H)
+    labels = labels.reshape(*lead, N)
+    got = centroid_update_tpu(keys, labels, C, block_n=256, block_c=64, interpret=True)
+    clean = jnp.where(jnp.isnan(keys), 0.0, keys)
+    assert bool(jnp.all(jnp.isfinite(got[0])))
+    _assert_sums_close(got, centroid_update_reference(clean, labels, C), clean)
+
+
+def test_centroid_update_tpu_lowers_to_mosaic():
+    from pallas_kernels.centroid_update_tpu import centroid_update_tpu
+
+    S = jax.ShapeDtypeStruct
+    fn = jax.jit(lambda k, lab: centroid_update_tpu(k, lab, 400))
+    text = fn.trace(S((1, 8, 32768, 128), jnp.float32), S((1, 8, 32768), jnp.int32)).lower(
+        lowering_platforms=("tpu",)).as_text()
+    assert text.count("tpu_custom_call") == 1  # one Mosaic kernel for all 8 problems
+
+
 # ---------------------------------------------------------------------------------------- cluster_to_block_index
 
 
@@ -290,17 +327,56 @@ def test_use_kernels_modes():
     assert dispatch.use_kernels("pallas", interpret=True) is True
 
 
+def test_on_tpu_routes_the_centroid_sums_to_the_mosaic_kernel(monkeypatch):
+    from clusterkv_jax import kmeans
+    from clusterkv_jax.policies import ClusterKV
+    from clusterkv_jax.policies import clusterkv as clusterkv_module
+    from pallas_kernels.centroid_update_tpu import centroid_update_tpu
+
+    assert not dispatch.on_tpu()  # this CPU-only machine
+    assert dispatch.on_tpu(_fake_device("tpu")) and not dispatch.on_tpu(_fake_device("gpu", "9.0"))
+    monkeypatch.setattr(clusterkv_module, "on_tpu", lambda: True)
+    assert [ClusterKV(kernels=k).kernel for k in ("auto", "pallas", "reference", "interpret")] == [
+        "tpu", "tpu", "reference", "interpret"]
+    # kernel "tpu": K-means sums by the Mosaic kernel (here in TPU interpret mode), block indexing by its reference.
+    calls = []
+
+    def interpreted(*args, **kwargs):
+        calls.append(kwargs["num_clusters"])
+        return centroid_update_tpu(*args, **kwargs, interpret=True)
+
+    monkeypatch.setattr(kmeans, "centroid_update_tpu", interpreted)
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((3, 200, 16)), jnp.float32)
+    labels = _labels(rng, 3, 200, 12, "uniform", lengths=[200, 150, 7])
+    sums, counts = kmeans._member_sums(labels, x, 12, kernel="tpu")
+    want_sums, want_counts = centroid_update_reference(x, labels, 12)
+    assert calls == [12]
+    _assert_sums_close((sums, counts.astype(jnp.int32)), (want_sums, want_counts), x)
+    scores = jnp.asarray(rng.standard_normal((2, 3, 20)), jnp.float32)
+    sizes = jnp.asarray(rng.integers(0, 40, (2, 3, 20)), jnp.int32)
+    starts = jnp.asarray(rng.integers(0, 100, (2, 3, 20)), jnp.int32)
+    got = rank_and_index(scores, sizes, starts, 100, 20, 16, kernel="tpu")
+    want = rank_and_index(scores, sizes, starts, 100, 20, 16, kernel="reference")
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
 # ------------------------------------------------------------------------------------------------------ lowering
 
 
-def test_check_lowering_for_cuda():
+def test_check_lowering_for_cuda_and_tpu():
     proc = subprocess.run(
         [sys.executable, "-m", "pallas_kernels.check_lowering"], cwd=REPO, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [line for line in proc.stdout.splitlines() if " OK " in line]
-    assert sum("centroid_update" in line for line in lines) == 4
-    assert sum("cluster_to_block_index" in line for line in lines) == 2
+    cuda = [line for line in lines if "triton kernel" in line]
+    tpu = [line for line in lines if "mosaic kernel(s) for tpu" in line]
+    assert sum(line.startswith("centroid_update ") for line in cuda) == 4
+    assert sum("cluster_to_block_index" in line for line in cuda) == 2
+    assert sum(line.startswith("centroid_update_tpu ") for line in tpu) == 4
+    assert "all kernels lowered for cuda" in proc.stdout and "all kernels lowered for tpu" in proc.stdout
 
 
 @pytest.mark.skipif(

@@ -41,6 +41,7 @@ from pallas_kernels import (
     centroid_update_reference,
     cluster_to_block_index,
     cluster_to_block_index_reference,
+    on_tpu,
     use_kernels,
 )
 
@@ -110,7 +111,7 @@ def rank_and_index(
         return jnp.take_along_axis(sizes, top, axis=-1), jnp.take_along_axis(block_start, top, axis=-1)
 
     def index(ranked_sizes, ranked_starts):
-        if kernel == "reference":
+        if kernel in ("reference", "tpu"):  # no Mosaic version of this kernel yet
             return cluster_to_block_index_reference(ranked_sizes, ranked_starts, tokens, slots, block_size)
         run = functools.partial(cluster_to_block_index, tokens=tokens, slots=slots, block_size=block_size,
                                 interpret=kernel == "interpret")
@@ -184,7 +185,8 @@ class ClusterKV(KVPolicy):
     block_refine: int = 1
     #: Rows per block of the store layout: selections read whole blocks.
     block_size: int = 16
-    #: "auto" (Pallas kernels on CUDA sm80+, pure JAX elsewhere), "pallas", "reference", or "interpret"
+    #: "auto" (Pallas kernels on CUDA sm80+, the Mosaic centroid kernel on TPU, pure JAX elsewhere), "pallas",
+    #: "reference", or "interpret"
     #: (the Pallas kernels in interpret mode, on any device: slow, for tests).
     kernels: str = "auto"
     #: The window is store rows [0, decode_interval) (`token_rows`).
@@ -223,9 +225,12 @@ class ClusterKV(KVPolicy):
 
     @property
     def kernel(self) -> str:
-        """The kernel path resolved for the current device: 'pallas', 'interpret' or 'reference'."""
+        """The kernel path resolved for the current device: 'pallas' (Triton, CUDA sm80+), 'tpu' (the Mosaic
+        kernels where they exist, references for the others), 'interpret' or 'reference'."""
         if self.kernels == "interpret":
             return "interpret"
+        if self.kernels != "reference" and on_tpu():
+            return "tpu"
         return "pallas" if use_kernels(self.kernels) else "reference"
 
     # ---- Static sizes, from the capacity S -----------------------------------------------------------------
