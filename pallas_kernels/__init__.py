@@ -1,9 +1,10 @@
-"""Pallas (Triton) GPU kernels for ClusterKV's two hot spots, each beside a pure-jnp reference, and Mosaic TPU
-versions of the first.
+"""Pallas (Triton) GPU kernels for ClusterKV's two hot spots, each beside a pure-jnp reference and a Mosaic TPU
+version (`*_tpu`).
 
 - `centroid_update`: per-cluster key sums and member counts (the K-means centroid accumulation);
   `centroid_update_tpu` the same on a TPU (a one-hot matrix product on the MXU).
-- `cluster_to_block_index`: budget slots → store blocks (and rows read in each) from clusters in score order.
+- `cluster_to_block_index`: budget slots → store blocks (and rows read in each) from clusters in score order;
+  `cluster_to_block_index_tpu` the same with triangular products and [slots, clusters] masks.
 
 `dispatch.use_kernels(mode)` says whether to call a kernel or its reference; `check_lowering` lowers every
 kernel for CUDA (and the TPU ones for TPU) without either device; `bench` times kernels against references.
@@ -12,6 +13,7 @@ kernel for CUDA (and the TPU ones for TPU) without either device; `bench` times 
 from pallas_kernels.centroid_update import centroid_update, centroid_update_reference
 from pallas_kernels.centroid_update_tpu import centroid_update_tpu
 from pallas_kernels.cluster_index import cluster_to_block_index, cluster_to_block_index_reference
+from pallas_kernels.cluster_index_tpu import cluster_to_block_index_tpu
 from pallas_kernels.dispatch import kernels_supported, on_tpu, use_kernels
 
 __all__ = [
@@ -20,6 +22,7 @@ __all__ = [
     "centroid_update_tpu",
     "cluster_to_block_index",
     "cluster_to_block_index_reference",
+    "cluster_to_block_index_tpu",
     "kernels_supported",
     "on_tpu",
     "use_kernels",

@@ -42,6 +42,7 @@ from jax._src.lib.triton import dialect as tt_dialect
 from pallas_kernels.centroid_update import centroid_update
 from pallas_kernels.centroid_update_tpu import centroid_update_tpu
 from pallas_kernels.cluster_index import cluster_to_block_index
+from pallas_kernels.cluster_index_tpu import cluster_to_block_index_tpu
 
 TRITON_TARGET = "__gpu$xla.gpu.triton"
 
@@ -187,6 +188,10 @@ def main(argv=None) -> int:
             fn = functools.partial(centroid_update_tpu, num_clusters=C)
             tpu_ok &= _check_tpu(f"centroid_update_tpu {jnp.dtype(dtype).name} H={H}", fn,
                                  S((1, P, N, H), dtype), S((1, P, N), i32))
+    for group in (1, 4):
+        fn = functools.partial(cluster_to_block_index_tpu, tokens=M - 16, slots=Mb, block_size=16)
+        ranked = (1, P, group, Mb) if group > 1 else (1, P, Mb)
+        tpu_ok &= _check_tpu(f"cluster_to_block_index_tpu Mb={Mb} group={group}", fn, S(ranked, i32), S(ranked, i32))
     print("all kernels lowered for tpu" if tpu_ok else "TPU LOWERING FAILED")
     if ok and args.ptx:
         ok = _compile_ptx(args.ptx, [(name, k) for name, ks in results for k in ks])

@@ -2,8 +2,7 @@
 
 The kernels are Pallas *Triton* kernels: they compile only for an NVIDIA GPU of compute capability >= 8.0
 (Ampere or newer: bfloat16 matrix units). Anywhere else they run only in interpret mode (slow; for tests).
-On a TPU (`on_tpu`) the Mosaic kernels that exist (`centroid_update_tpu`) run instead; the others use their
-references there.
+On a TPU (`on_tpu`) their Mosaic versions (`*_tpu`) run instead.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from clusterkv_jax.policies.clusterkv import rank_and_index
 from pallas_kernels import dispatch
 from pallas_kernels.centroid_update import centroid_update, centroid_update_reference
 from pallas_kernels.cluster_index import cluster_to_block_index, cluster_to_block_index_reference
+from pallas_kernels.cluster_index_tpu import cluster_to_block_index_tpu
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -209,15 +210,19 @@ def _brute_force_blocks(sizes, starts, tokens, slots, block):
     return out_blocks, out_rows
 
 
-def _check_blocks(sizes, starts, tokens, slots, block, **kw):
+def _check_blocks(sizes, starts, tokens, slots, block, tpu=True, **kw):
+    """The Triton kernel (GPU interpret mode), the reference and (tpu) the Mosaic kernel (TPU interpret mode)
+    against the brute-force walk."""
     sizes, starts = jnp.asarray(sizes, jnp.int32), jnp.asarray(starts, jnp.int32)
     got = cluster_to_block_index(sizes, starts, tokens, slots, block, interpret=True, **kw)
     ref = cluster_to_block_index_reference(sizes, starts, tokens, slots, block)
+    mosaic = cluster_to_block_index_tpu(sizes, starts, tokens, slots, block, interpret=True) if tpu else ref
     want = _brute_force_blocks(sizes, starts, tokens, slots, block)
-    for g, r, w in zip(got, ref, want):
-        assert g.shape == w.shape and g.dtype == jnp.int32
+    for g, r, m, w in zip(got, ref, mosaic, want):
+        assert g.shape == w.shape and g.dtype == jnp.int32 and m.shape == w.shape and m.dtype == jnp.int32
         np.testing.assert_array_equal(np.asarray(g), w)
         np.testing.assert_array_equal(np.asarray(r), w)
+        np.testing.assert_array_equal(np.asarray(m), w)
     return [np.asarray(x) for x in got]
 
 
@@ -233,6 +238,7 @@ def _check_blocks(sizes, starts, tokens, slots, block, **kw):
         ("single_cluster", 1, 9, 77, 16),
         ("all_empty", 8, 5, 100, 16),
         ("rows", 30, 40, 40, 1),  # block 1: single rows
+        ("random", 150, 64, 900, 7),  # a block that is no power of two; more clusters than one lane row
     ],
 )
 def test_cluster_block_index_cases(case, C, slots, tokens, block):
@@ -327,7 +333,7 @@ def test_use_kernels_modes():
     assert dispatch.use_kernels("pallas", interpret=True) is True
 
 
-def test_on_tpu_routes_the_centroid_sums_to_the_mosaic_kernel(monkeypatch):
+def test_on_tpu_clusterkv_runs_the_mosaic_kernels(monkeypatch):
     from clusterkv_jax import kmeans
     from clusterkv_jax.policies import ClusterKV
     from clusterkv_jax.policies import clusterkv as clusterkv_module
@@ -338,26 +344,30 @@ def test_on_tpu_routes_the_centroid_sums_to_the_mosaic_kernel(monkeypatch):
     monkeypatch.setattr(clusterkv_module, "on_tpu", lambda: True)
     assert [ClusterKV(kernels=k).kernel for k in ("auto", "pallas", "reference", "interpret")] == [
         "tpu", "tpu", "reference", "interpret"]
-    # kernel "tpu": K-means sums by the Mosaic kernel (here in TPU interpret mode), block indexing by its reference.
+    # kernel "tpu": K-means sums and the block indexing by the Mosaic kernels (here in TPU interpret mode).
     calls = []
 
-    def interpreted(*args, **kwargs):
-        calls.append(kwargs["num_clusters"])
-        return centroid_update_tpu(*args, **kwargs, interpret=True)
+    def interpreted(kernel):
+        def run(*args, **kwargs):
+            calls.append(kernel.__name__)
+            return kernel(*args, **kwargs, interpret=True)
+        return run
 
-    monkeypatch.setattr(kmeans, "centroid_update_tpu", interpreted)
+    monkeypatch.setattr(kmeans, "centroid_update_tpu", interpreted(centroid_update_tpu))
+    monkeypatch.setattr(clusterkv_module, "cluster_to_block_index_tpu", interpreted(cluster_to_block_index_tpu))
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.standard_normal((3, 200, 16)), jnp.float32)
     labels = _labels(rng, 3, 200, 12, "uniform", lengths=[200, 150, 7])
     sums, counts = kmeans._member_sums(labels, x, 12, kernel="tpu")
     want_sums, want_counts = centroid_update_reference(x, labels, 12)
-    assert calls == [12]
+    assert calls == ["centroid_update_tpu"]
     _assert_sums_close((sums, counts.astype(jnp.int32)), (want_sums, want_counts), x)
     scores = jnp.asarray(rng.standard_normal((2, 3, 20)), jnp.float32)
     sizes = jnp.asarray(rng.integers(0, 40, (2, 3, 20)), jnp.int32)
     starts = jnp.asarray(rng.integers(0, 100, (2, 3, 20)), jnp.int32)
     got = rank_and_index(scores, sizes, starts, 100, 20, 16, kernel="tpu")
     want = rank_and_index(scores, sizes, starts, 100, 20, 16, kernel="reference")
+    assert calls == ["centroid_update_tpu", "cluster_to_block_index_tpu"]
     for g, w in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
@@ -376,6 +386,7 @@ def test_check_lowering_for_cuda_and_tpu():
     assert sum(line.startswith("centroid_update ") for line in cuda) == 4
     assert sum("cluster_to_block_index" in line for line in cuda) == 2
     assert sum(line.startswith("centroid_update_tpu ") for line in tpu) == 4
+    assert sum(line.startswith("cluster_to_block_index_tpu ") for line in tpu) == 2
     assert "all kernels lowered for cuda" in proc.stdout and "all kernels lowered for tpu" in proc.stdout
 
 

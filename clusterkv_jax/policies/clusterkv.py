@@ -41,6 +41,7 @@ from pallas_kernels import (
     centroid_update_reference,
     cluster_to_block_index,
     cluster_to_block_index_reference,
+    cluster_to_block_index_tpu,
     on_tpu,
     use_kernels,
 )
@@ -102,7 +103,7 @@ def rank_and_index(
     nothing ranked below them is taken: the same result), else the top `slots` (`lax.cond`): on XLA:CPU a top_k
     costs about its k (32 rows of 416 scores: 0.50 ms for k=80, 0.24 ms for k=32). The block indexing is
     `pallas_kernels.cluster_to_block_index`: the Pallas kernel (kernel "pallas" / "interpret", per device shard
-    under a mesh) or its reference.
+    under a mesh), its Mosaic version (kernel "tpu") or its reference.
     """
     scores = jnp.where(sizes > 0, scores, -jnp.inf)
 
@@ -111,10 +112,13 @@ def rank_and_index(
         return jnp.take_along_axis(sizes, top, axis=-1), jnp.take_along_axis(block_start, top, axis=-1)
 
     def index(ranked_sizes, ranked_starts):
-        if kernel in ("reference", "tpu"):  # no Mosaic version of this kernel yet
+        if kernel == "reference":
             return cluster_to_block_index_reference(ranked_sizes, ranked_starts, tokens, slots, block_size)
-        run = functools.partial(cluster_to_block_index, tokens=tokens, slots=slots, block_size=block_size,
-                                interpret=kernel == "interpret")
+        if kernel == "tpu":
+            run = functools.partial(cluster_to_block_index_tpu, tokens=tokens, slots=slots, block_size=block_size)
+        else:
+            run = functools.partial(cluster_to_block_index, tokens=tokens, slots=slots, block_size=block_size,
+                                    interpret=kernel == "interpret")
         return per_shard(lambda s, st: run(s, st), ranked_sizes, ranked_starts)
 
     every = min(slots, scores.shape[-1])
@@ -185,7 +189,7 @@ class ClusterKV(KVPolicy):
     block_refine: int = 1
     #: Rows per block of the store layout: selections read whole blocks.
     block_size: int = 16
-    #: "auto" (Pallas kernels on CUDA sm80+, the Mosaic centroid kernel on TPU, pure JAX elsewhere), "pallas",
+    #: "auto" (Pallas kernels on CUDA sm80+, their Mosaic versions on TPU, pure JAX elsewhere), "pallas",
     #: "reference", or "interpret"
     #: (the Pallas kernels in interpret mode, on any device: slow, for tests).
     kernels: str = "auto"
@@ -225,8 +229,8 @@ class ClusterKV(KVPolicy):
 
     @property
     def kernel(self) -> str:
-        """The kernel path resolved for the current device: 'pallas' (Triton, CUDA sm80+), 'tpu' (the Mosaic
-        kernels where they exist, references for the others), 'interpret' or 'reference'."""
+        """The kernel path resolved for the current device: 'pallas' (Triton, CUDA sm80+), 'tpu' (Mosaic),
+        'interpret' or 'reference'."""
         if self.kernels == "interpret":
             return "interpret"
         if self.kernels != "reference" and on_tpu():
