@@ -257,12 +257,38 @@ def test_pallas_kernels_in_interpret_mode_match_the_reference_path():
     np.testing.assert_allclose(pal, ref, atol=1e-5)
 
 
+def test_mosaic_tpu_kernels_in_interpret_mode_match_the_reference_path(monkeypatch):
+    """The same on a (pretended) TPU: kernels="auto" resolves to the Mosaic kernels, run here in Pallas's TPU
+    interpreter, and gives the reference path's clusters, layout and logits."""
+    import functools
+
+    from clusterkv_jax import kmeans
+    from clusterkv_jax.policies import clusterkv as clusterkv_module
+    from pallas_kernels import centroid_update_tpu, cluster_to_block_index_tpu
+
+    monkeypatch.setattr(clusterkv_module, "on_tpu", lambda: True)
+    monkeypatch.setattr(kmeans, "centroid_update_tpu", functools.partial(centroid_update_tpu, interpret=True))
+    monkeypatch.setattr(clusterkv_module, "cluster_to_block_index_tpu",
+                        functools.partial(cluster_to_block_index_tpu, interpret=True))
+    policy = ClusterKV(budget=40, kernels="auto", **SMALL)
+    assert policy.kernel == "tpu"
+    tokens, lengths = TOKENS[:2], LENGTHS[:2]
+    ref, ref_cache = run(ClusterKV(budget=40, kernels="reference", **SMALL), tokens, lengths, steps=18)
+    tpu, tpu_cache = run(policy, tokens, lengths, steps=18)
+    for field in ("sizes", "block_start", "row_positions"):
+        np.testing.assert_array_equal(np.asarray(getattr(tpu_cache.policy_state, field)),
+                                      np.asarray(getattr(ref_cache.policy_state, field)))
+    np.testing.assert_allclose(np.asarray(tpu_cache.policy_state.centroids),
+                               np.asarray(ref_cache.policy_state.centroids), atol=1e-5)
+    np.testing.assert_allclose(tpu, ref, atol=1e-5)
+
+
 def test_kernel_switch_resolves_per_device():
     assert ClusterKV(kernels="reference").kernel == "reference"
     assert ClusterKV(kernels="interpret").kernel == "interpret"
-    on_gpu = jax.devices()[0].platform == "gpu"
-    assert ClusterKV(kernels="auto").kernel == ("pallas" if on_gpu else "reference")
-    if not on_gpu:
+    platform = jax.devices()[0].platform
+    assert ClusterKV(kernels="auto").kernel == {"gpu": "pallas", "tpu": "tpu"}.get(platform, "reference")
+    if platform not in ("gpu", "tpu"):
         with pytest.raises(RuntimeError):
             ClusterKV(kernels="pallas").kernel
     with pytest.raises(ValueError):
