@@ -53,6 +53,11 @@ def _multi_device() -> ShardAxes | None:
     return axes
 
 
+def multi_device_axes() -> ShardAxes | None:
+    """The mesh axes of B and heads while tracing under a multi-device mesh (`shard_axes`), else None."""
+    return _multi_device()
+
+
 def per_shard(fn, *args):
     """fn(*args) where every operand and result has leading dims [B, heads, ...]: under a multi-device mesh,
     run once per device on its shard of B and heads (`shard_map`), so a Pallas kernel stays a local custom call

@@ -168,3 +168,33 @@ class DeviceLayer(LayerView):
 
     def ring(self, window: int):
         return self.keys()[:, :, :window], self.values()[:, :, :window]
+
+    def attend_in_place(self, q, selection: Selection, window: int, window_mask, *, interpret: bool):
+        """One softmax over each head's selection and (window > 0) the ring of rows [0, window), read where they
+        lie through a page table (`pallas_kernels.selected_attention`, no gathered copy): q [B, N, H] ->
+        [B, N, H] float32, as `attention.selection_and_window_attention` over `read` and `ring` gives it. Pages
+        are chunks of `selection.chunk` rows; the store's rows and the window are whole pages (`can_attend_in_place`)."""
+        from pallas_kernels.selected_attention import selected_attention
+
+        L, B, K, R, H = self.store.k.shape
+        c, h = selection.chunk, selection.starts.shape[1]
+        per = R // c  # pages per (layer, sequence, KV head)
+        kv_head = jnp.arange(h, dtype=jnp.int32) // (h // K)  # selection head -> its KV head
+        first = ((self.index * B + jnp.arange(B, dtype=jnp.int32)[:, None]) * K + kv_head[None, :]) * per  # [B, h]
+        pages = first[..., None] + selection.starts // c  # [B, h, n]
+        mask = selection.mask  # [B, h, n, c]
+        if window:
+            pages = jnp.concatenate([pages, first[..., None] + jnp.arange(window // c, dtype=jnp.int32)], axis=-1)
+            ring = jnp.broadcast_to(window_mask.reshape(B, 1, window // c, c), (B, h, window // c, c))
+            mask = jnp.concatenate([mask, ring], axis=2)
+        pages_of = lambda x: x.reshape(L * B * K * per, c, H)  # noqa: E731  (a view: no copy)
+        out = selected_attention(q.reshape(B, h, q.shape[1] // h, H), pages_of(self.store.k),
+                                 pages_of(self.store.v), pages, mask, interpret=interpret)
+        return out.reshape(q.shape)
+
+    def can_attend_in_place(self, selection: Selection, window: int) -> bool:
+        """Whether `attend_in_place` applies: pages of a power-of-two number of rows (> 1) that tile the store and
+        the window, and a power-of-two head dim."""
+        c, R, H = selection.chunk, self.store.k.shape[3], self.store.k.shape[4]
+        pow2 = lambda x: x & (x - 1) == 0  # noqa: E731
+        return c > 1 and pow2(c) and pow2(H) and R % c == 0 and window % c == 0

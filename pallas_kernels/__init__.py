@@ -5,6 +5,8 @@ version (`*_tpu`).
   `centroid_update_tpu` the same on a TPU (a one-hot matrix product on the MXU).
 - `cluster_to_block_index`: budget slots → store blocks (and rows read in each) from clusters in score order;
   `cluster_to_block_index_tpu` the same with triangular products and [slots, clusters] masks.
+- `selected_attention`: decode attention straight from the store through a page table per selection head
+  (online softmax over the selected pages and the window; no gathered copy). GPU only for now.
 
 `dispatch.use_kernels(mode)` says whether to call a kernel or its reference; `check_lowering` lowers every
 kernel for CUDA (and the TPU ones for TPU) without either device; `bench` times kernels against references.
@@ -15,6 +17,7 @@ from pallas_kernels.centroid_update_tpu import centroid_update_tpu
 from pallas_kernels.cluster_index import cluster_to_block_index, cluster_to_block_index_reference
 from pallas_kernels.cluster_index_tpu import cluster_to_block_index_tpu
 from pallas_kernels.dispatch import kernels_supported, on_tpu, use_kernels
+from pallas_kernels.selected_attention import selected_attention, selected_attention_reference
 
 __all__ = [
     "centroid_update",
@@ -25,5 +28,7 @@ __all__ = [
     "cluster_to_block_index_tpu",
     "kernels_supported",
     "on_tpu",
+    "selected_attention",
+    "selected_attention_reference",
     "use_kernels",
 ]

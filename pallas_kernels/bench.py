@@ -20,6 +20,7 @@ import numpy as np
 from pallas_kernels.centroid_update import centroid_update, centroid_update_reference
 from pallas_kernels.cluster_index import cluster_to_block_index, cluster_to_block_index_reference
 from pallas_kernels.dispatch import kernels_supported
+from pallas_kernels.selected_attention import selected_attention, selected_attention_reference
 
 P, N, C, M = 8, 32768, 400, 1024  # KV heads (× batch 1), tokens, clusters, budget
 Mb = 80  # ClusterKV's block slots at B=1024 (16 sinks, blocks of 16, 80 tokens per cluster)
@@ -93,6 +94,24 @@ def main(argv=None) -> None:
         (b, r), (rb, rr) = kern(sizes, starts), ref(sizes, starts)
         err = f"blocks equal {bool(jnp.all(b == rb))}, rows equal {bool(jnp.all(r == rr))}"
     _row("cluster_to_block_index", f"P={P} Mb={Mb} B={M}", ref_ms, kernel_ms, err)
+
+    # One layer's decode attention over 101 pages of 16 rows per head (81 selected + the 20-page window) from a
+    # store of 8 KV heads x 32k rows of 128, per query head (h=32, G=1) and shared (h=8, G=4).
+    pages = P * N // 16
+    for h, G in ((32, 1), (8, 4)):
+        for dtype in (jnp.bfloat16, jnp.float32):
+            q = jnp.asarray(rng.standard_normal((1, h, G, 128), np.float32), dtype)
+            k, v = (jnp.asarray(rng.standard_normal((pages, 16, 128), np.float32), dtype) for _ in range(2))
+            table = jnp.asarray(rng.integers(0, pages, (1, h, 101)), jnp.int32)
+            mask = jnp.asarray(rng.random((1, h, 101, 16)) < 0.95)
+            ref_ms = _median_ms(selected_attention_reference, q, k, v, table, mask, repeats=args.repeats)
+            kernel_ms, err = None, ""
+            if on_gpu:
+                kernel_ms = _median_ms(selected_attention, q, k, v, table, mask, repeats=args.repeats)
+                diff = jnp.abs(selected_attention(q, k, v, table, mask)
+                               - selected_attention_reference(q, k, v, table, mask))
+                err = f"max|Δ| {float(jnp.max(diff)):.2e}"
+            _row(f"selected_attention G={G}", f"{jnp.dtype(dtype).name} h={h} 101x16 rows", ref_ms, kernel_ms, err)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from pallas_kernels.centroid_update import centroid_update
 from pallas_kernels.centroid_update_tpu import centroid_update_tpu
 from pallas_kernels.cluster_index import cluster_to_block_index
 from pallas_kernels.cluster_index_tpu import cluster_to_block_index_tpu
+from pallas_kernels.selected_attention import selected_attention
 
 TRITON_TARGET = "__gpu$xla.gpu.triton"
 
@@ -179,6 +180,15 @@ def main(argv=None) -> int:
         ranked = (1, P, group, Mb) if group > 1 else (1, P, Mb)
         kernels = _check(name, fn, S(ranked, i32), S(ranked, i32))
         results.append((name, kernels))
+    # One layer's decode attention at Llama-3-8B geometry, 32k: the store of 8 KV heads as pages of 16 rows,
+    # per query head (32 heads, 1 query each) and shared (8 heads, 4 queries each), 81 selected + 20 window pages.
+    pages = 8 * (32768 + 4096) // 16
+    for h, G in ((32, 1), (8, 4)):
+        for dtype in (jnp.float32, jnp.bfloat16):
+            name = f"selected_attention h={h} G={G}"
+            kernels = _check(name, selected_attention, S((1, h, G, 128), dtype), S((pages, 16, 128), dtype),
+                             S((pages, 16, 128), dtype), S((1, h, 101), i32), S((1, h, 101, 16), jnp.bool_))
+            results.append((f"{name} {jnp.dtype(dtype).name}", kernels))
     ok = all(k is not None for _, k in results)
     print("all kernels lowered for cuda" if ok else "LOWERING FAILED")
     print("lowering for platform tpu")

@@ -243,12 +243,19 @@ def test_rank_and_index_matches_brute_force(sizes, tokens, slots, block, seed, f
     assert np.asarray(rows).tolist() == want_rows + [0] * pad
 
 
-def test_pallas_kernels_in_interpret_mode_match_the_reference_path():
-    """K-means (centroid_update) and selection (cluster_to_block_index) through the Pallas kernels, run in
-    interpret mode on this CPU, give the same clusters, layout and logits as the pure-jnp path."""
+def test_pallas_kernels_in_interpret_mode_match_the_reference_path(monkeypatch):
+    """K-means (centroid_update), selection (cluster_to_block_index) and decode attention (selected_attention,
+    straight from the store) through the Pallas kernels, run in interpret mode on this CPU, give the same
+    clusters, layout and logits as the pure-jnp path."""
+    from clusterkv_jax.store import DeviceLayer
+
     tokens, lengths = TOKENS[:2], LENGTHS[:2]
     ref, ref_cache = run(ClusterKV(budget=40, kernels="reference", **SMALL), tokens, lengths, steps=18)
+    in_place = []
+    attend = DeviceLayer.attend_in_place
+    monkeypatch.setattr(DeviceLayer, "attend_in_place", lambda *a, **k: in_place.append(1) or attend(*a, **k))
     pal, pal_cache = run(ClusterKV(budget=40, kernels="interpret", **SMALL), tokens, lengths, steps=18)
+    assert in_place, "the decode steps attend straight from the store (selected_attention)"
     for field in ("sizes", "block_start", "row_positions"):
         np.testing.assert_array_equal(np.asarray(getattr(pal_cache.policy_state, field)),
                                       np.asarray(getattr(ref_cache.policy_state, field)))
@@ -326,6 +333,41 @@ def test_selection_and_window_attention_matches_numpy(per_query_head):
             p = np.exp(s - s.max())
             want[b, n] = (p / p.sum()) @ values[b, kv, rows]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("per_query_head, chunk, W", [(True, 4, 8), (False, 4, 8), (True, 8, 0), (False, 2, 4)])
+def test_attend_in_place_matches_numpy(per_query_head, chunk, W):
+    """The Pallas page-table attention (interpret mode) over a layer of a multi-layer store: each head's selected
+    chunks and the ring of rows [0, W), one softmax, against a NumPy loop per head."""
+    from clusterkv_jax.store import DeviceKV, Selection
+
+    rng = np.random.default_rng(chunk + W)
+    L, B, N, K, S, H, n = 3, 2, 6, 2, 64, 16, 5
+    G, layer = N // K, 1
+    q = rng.normal(size=(B, N, H)).astype(np.float32)
+    keys, values = rng.normal(size=(2, L, B, K, S, H)).astype(np.float32)
+    h = N if per_query_head else K
+    starts = rng.integers(W // chunk, S // chunk, (B, h, n)).astype(np.int32) * chunk
+    mask = rng.random((B, h, n, chunk)) < 0.7
+    mask[0, 0] = False  # a head whose selection is empty: only its window counts (or nothing: zeros)
+    w_mask = rng.random((B, W)) < 0.6
+    view = DeviceKV(k=jnp.asarray(keys), v=jnp.asarray(values)).layer(jnp.int32(layer))
+    selection = Selection(starts=jnp.asarray(starts), mask=jnp.asarray(mask), chunk=chunk)
+    assert view.can_attend_in_place(selection, W)
+    got = np.asarray(view.attend_in_place(jnp.asarray(q), selection, W, jnp.asarray(w_mask) if W else None,
+                                          interpret=True))
+    want = np.zeros((B, N, H), np.float32)
+    for b in range(B):
+        for i in range(N):
+            kv, sel = i // G, (i if per_query_head else i // G)
+            rows = [int(st_) + r for st_, m in zip(starts[b, sel], mask[b, sel]) for r in range(chunk) if m[r]]
+            rows += [r for r in range(W) if w_mask[b, r]]
+            if rows:
+                s_ = keys[layer, b, kv, rows] @ q[b, i] / np.sqrt(H)
+                p = np.exp(s_ - s_.max())
+                want[b, i] = (p / p.sum()) @ values[layer, b, kv, rows]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert not view.can_attend_in_place(Selection(starts=selection.starts, mask=selection.mask[..., :1], chunk=1), W)
 
 
 @given(W=st.integers(1, 12), start=st.integers(0, 60), count=st.integers(0, 12), capacity=st.integers(1, 80))

@@ -306,6 +306,46 @@ def test_cluster_block_index_equals_rank_and_index():
     assert int(np.asarray(want[1]).sum()) > 0
 
 
+# ---------------------------------------------------------------------------------------------- selected_attention
+
+
+@pytest.mark.parametrize(
+    "B, h, G, H, P, c, n, dtype",
+    [
+        (2, 6, 1, 64, 50, 16, 7, jnp.float32),  # a selection per query head
+        (2, 2, 3, 64, 50, 16, 9, jnp.float32),  # shared by 3 query heads (padded to 4 rows)
+        (1, 8, 4, 128, 40, 16, 13, jnp.bfloat16),
+        (2, 3, 2, 32, 30, 4, 5, jnp.float32),  # pages of 4 rows; n not a multiple of block_pages
+    ],
+)
+def test_selected_attention_matches_reference_and_numpy(B, h, G, H, P, c, n, dtype):
+    from pallas_kernels.selected_attention import selected_attention, selected_attention_reference
+
+    rng = np.random.default_rng(B * h + G + n)
+    q = jnp.asarray(rng.standard_normal((B, h, G, H)), dtype)
+    k, v = (jnp.asarray(rng.standard_normal((P, c, H)), dtype) for _ in range(2))
+    pages = rng.integers(0, P, (B, h, n)).astype(np.int32)
+    mask = rng.random((B, h, n, c)) < 0.6
+    mask[0, 0] = False  # a head with no row: zeros
+    got = np.asarray(selected_attention(q, k, v, jnp.asarray(pages), jnp.asarray(mask), interpret=True))
+    ref = np.asarray(selected_attention_reference(q, k, v, jnp.asarray(pages), jnp.asarray(mask)))
+    qn, kn, vn = (np.asarray(x, np.float64) for x in (q, k, v))
+    want = np.zeros((B, h, G, H))
+    for b in range(B):
+        for s in range(h):
+            rows = [(p, r) for p, m in zip(pages[b, s], mask[b, s]) for r in range(c) if m[r]]
+            if rows:
+                kk = np.stack([kn[p, r] for p, r in rows])
+                vv = np.stack([vn[p, r] for p, r in rows])
+                logits = qn[b, s] @ kk.T / np.sqrt(H)
+                w = np.exp(logits - logits.max(-1, keepdims=True))
+                want[b, s] = (w / w.sum(-1, keepdims=True)) @ vv
+    assert got.shape == (B, h, G, H) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(ref, want, rtol=2e-5, atol=2e-5)
+    assert not got[0, 0].any()
+
+
 # ------------------------------------------------------------------------------------------------------ dispatch
 
 
@@ -385,6 +425,7 @@ def test_check_lowering_for_cuda_and_tpu():
     tpu = [line for line in lines if "mosaic kernel(s) for tpu" in line]
     assert sum(line.startswith("centroid_update ") for line in cuda) == 4
     assert sum("cluster_to_block_index" in line for line in cuda) == 2
+    assert sum(line.startswith("selected_attention ") for line in cuda) == 4
     assert sum(line.startswith("centroid_update_tpu ") for line in tpu) == 4
     assert sum(line.startswith("cluster_to_block_index_tpu ") for line in tpu) == 2
     assert "all kernels lowered for cuda" in proc.stdout and "all kernels lowered for tpu" in proc.stdout

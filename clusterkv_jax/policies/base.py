@@ -42,6 +42,7 @@ import jax.numpy as jnp
 
 from clusterkv_jax.attention import selection_and_window_attention
 from clusterkv_jax.config import ModelConfig
+from clusterkv_jax.ops import multi_device_axes
 from clusterkv_jax.policies.common import recent_window, ring_window_mask
 from clusterkv_jax.store import Selection, as_selection
 
@@ -193,6 +194,15 @@ class KVPolicy:
 
         return self.index_recent(state, recent_keys, lengths, prompt_lengths)
 
+    def _attends_in_place(self, kv, selection: Selection, window: int) -> bool:
+        """On the Pallas kernel path (a policy with a `kernel` switch resolved to "pallas", or "interpret" in
+        tests), a device store, a ring window (or none) and no multi-device mesh (the page table addresses the
+        whole store; under a mesh the rows are gathered per shard as before): attend straight from the store
+        (`DeviceLayer.attend_in_place`) instead of gathering the rows first."""
+        return (getattr(self, "kernel", None) in ("pallas", "interpret") and hasattr(kv, "attend_in_place")
+                and (not window or self.ring_window) and kv.can_attend_in_place(selection, window)
+                and multi_device_axes() is None)
+
     def decode_attention(self, state: Any, q: jax.Array, kv, lengths: jax.Array, prompt_lengths: jax.Array):
         """One layer's decode attention over the selection and the window, from the store view `kv` (this
         layer, the new token's row written). Returns (output [B, N, H] float32, state, kv)."""
@@ -202,9 +212,16 @@ class KVPolicy:
         with jax.named_scope("select"):
             keys = kv.keys() if self.reads_all_keys else None
             selection = as_selection(self.select(state, q, keys, lengths, prompt_lengths))
+        W = self.window_size(kv.positions)
+        if self._attends_in_place(kv, selection, W):
+            with jax.named_scope("attend"):
+                start = self.window_start(state, lengths, prompt_lengths)
+                w_mask = ring_window_mask(lengths, start, W, kv.positions) if W else None
+                out = kv.attend_in_place(q, selection, W, w_mask, interpret=self.kernel == "interpret")
+            return out, state, kv
         k_sel, v_sel, kv = kv.read(selection)
         k_win = v_win = w_mask = None
-        if W := self.window_size(kv.positions):
+        if W:
             start = self.window_start(state, lengths, prompt_lengths)
             with jax.named_scope("window"):
                 if self.ring_window:
