@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from clusterkv_jax.ops import gather_rows, per_kv_head, row_index, scatter_rows
+from pallas_kernels.selected_attention import selected_attention
 
 
 @flax.struct.dataclass
@@ -174,8 +175,6 @@ class DeviceLayer(LayerView):
         lie through a page table (`pallas_kernels.selected_attention`, no gathered copy): q [B, N, H] ->
         [B, N, H] float32, as `attention.selection_and_window_attention` over `read` and `ring` gives it. Pages
         are chunks of `selection.chunk` rows; the store's rows and the window are whole pages (`can_attend_in_place`)."""
-        from pallas_kernels.selected_attention import selected_attention
-
         L, B, K, R, H = self.store.k.shape
         c, h = selection.chunk, selection.starts.shape[1]
         per = R // c  # pages per (layer, sequence, KV head)
