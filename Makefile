@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --disable-pip-version-check -q
 
-.PHONY: setup setup-test demo test check-lowering clean
+.PHONY: setup setup-test demo test check-lowering aot-cuda aot-tpu clean
 
 # constraints.txt: the exact versions we test with (pyproject.toml declares ranges).
 $(VENV)/.base: pyproject.toml constraints.txt
@@ -30,5 +30,18 @@ test: setup-test
 check-lowering: setup
 	$(PY) -m pallas_kernels.check_lowering
 
+# Deviceless compilation (no GPU or TPU needed) for an H100 (jax's CUDA plugin and ptxas) or a TPU v5e (libtpu),
+# each in a venv of its own, so the project venv's jax never tries to load CUDA or a TPU runtime. Runs
+# tests/test_aot.py for that platform, then prints the compiled decode steps and prefills (clusterkv_jax.aot).
+$(VENV)-aot-%/.aot: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)-aot-$*
+	$(VENV)-aot-$*/bin/python -m pip install --disable-pip-version-check -q -c constraints.txt -e '.[aot-$*]' pytest
+	touch $@
+
+aot-%: $(VENV)-aot-%/.aot
+	JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 CLUSTERKV_AOT_REQUIRED=$* $(VENV)-aot-$*/bin/python -m pytest -q \
+	    -p no:cacheprovider tests/test_aot.py
+	JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $(VENV)-aot-$*/bin/python -m clusterkv_jax.aot --platform $*
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VENV)-aot-cuda $(VENV)-aot-tpu .pytest_cache .hypothesis

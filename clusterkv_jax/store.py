@@ -36,6 +36,8 @@ Shapes: n layers in the group, B batch, K KV heads, R rows, H head dim.
 
 from __future__ import annotations
 
+import functools
+
 import dataclasses
 
 import flax.struct
@@ -44,6 +46,7 @@ import jax.numpy as jnp
 
 from clusterkv_jax.ops import gather_rows, per_kv_head, row_index, scatter_rows
 from pallas_kernels.selected_attention import selected_attention
+from pallas_kernels.selected_attention_tpu import selected_attention_tpu
 
 
 @flax.struct.dataclass
@@ -170,9 +173,10 @@ class DeviceLayer(LayerView):
     def ring(self, window: int):
         return self.keys()[:, :, :window], self.values()[:, :, :window]
 
-    def attend_in_place(self, q, selection: Selection, window: int, window_mask, *, interpret: bool):
+    def attend_in_place(self, q, selection: Selection, window: int, window_mask, *, kernel: str):
         """One softmax over each head's selection and (window > 0) the ring of rows [0, window), read where they
-        lie through a page table (`pallas_kernels.selected_attention`, no gathered copy): q [B, N, H] ->
+        lie through a page table (`pallas_kernels.selected_attention`, no gathered copy; kernel "pallas", "tpu"
+        for its Mosaic version, or "interpret"): q [B, N, H] ->
         [B, N, H] float32, as `attention.selection_and_window_attention` over `read` and `ring` gives it. Pages
         are chunks of `selection.chunk` rows; the store's rows and the window are whole pages (`can_attend_in_place`)."""
         L, B, K, R, H = self.store.k.shape
@@ -187,8 +191,9 @@ class DeviceLayer(LayerView):
             ring = jnp.broadcast_to(window_mask.reshape(B, 1, window // c, c), (B, h, window // c, c))
             mask = jnp.concatenate([mask, ring], axis=2)
         pages_of = lambda x: x.reshape(L * B * K * per, c, H)  # noqa: E731  (a view: no copy)
-        out = selected_attention(q.reshape(B, h, q.shape[1] // h, H), pages_of(self.store.k),
-                                 pages_of(self.store.v), pages, mask, interpret=interpret)
+        attend = (selected_attention_tpu if kernel == "tpu"
+                  else functools.partial(selected_attention, interpret=kernel == "interpret"))
+        out = attend(q.reshape(B, h, q.shape[1] // h, H), pages_of(self.store.k), pages_of(self.store.v), pages, mask)
         return out.reshape(q.shape)
 
     def can_attend_in_place(self, selection: Selection, window: int) -> bool:

@@ -12,7 +12,7 @@ On a TPU the accumulation is a matrix product on the MXU: the grid is (C-blocks,
 (a reduction: "arbitrary"), and each step adds onehot[BC, BN] x keys[BN, H + 1] into its output block, which
 stays in VMEM across the N-steps. The extra key column is 1, so the same product counts the members (exact in
 float32 up to 2^24 members). float32 keys are multiplied at `Precision.HIGHEST` (multi-pass bfloat16 on the MXU:
-float32 accuracy); the one-hot factor is exact in any precision. Blocks: labels [1, BN] (BN a multiple of 128),
+float32 accuracy), bfloat16 keys at the default (their products are exact in float32); the one-hot factor is exact in any precision. Blocks: labels [1, BN] (BN a multiple of 128),
 keys [BN, H + 1] (the whole row), sums [BC, H + 1] (BC a multiple of 8); N and C are padded to whole blocks.
 The leading (batch, head) dims are one more, parallel, grid dim.
 """
@@ -42,8 +42,10 @@ def _centroid_update_tpu_kernel(
 
     clusters = pl.program_id(1) * block_c + lax.broadcasted_iota(jnp.int32, (block_c, labels_ref.shape[1]), 0)
     onehot = (labels_ref[...] == clusters).astype(keys_ref.dtype)  # [BC, BN]
-    sums_ref[...] += jnp.dot(onehot, keys_ref[...], preferred_element_type=jnp.float32,
-                             precision=lax.Precision.HIGHEST)
+    # HIGHEST for float32 keys only: Mosaic rejects a bfloat16 product at fp32 contract precision ("Bad lhs type",
+    # found by compiling for a v5e without one: `make aot-tpu`); bfloat16 products are exact in float32.
+    precision = lax.Precision.HIGHEST if keys_ref.dtype == jnp.float32 else lax.Precision.DEFAULT
+    sums_ref[...] += jnp.dot(onehot, keys_ref[...], preferred_element_type=jnp.float32, precision=precision)
 
 
 @functools.partial(jax.jit, static_argnames=("num_clusters", "block_n", "block_c", "interpret"))

@@ -44,6 +44,7 @@ from pallas_kernels.centroid_update_tpu import centroid_update_tpu
 from pallas_kernels.cluster_index import cluster_to_block_index
 from pallas_kernels.cluster_index_tpu import cluster_to_block_index_tpu
 from pallas_kernels.selected_attention import selected_attention
+from pallas_kernels.selected_attention_tpu import selected_attention_tpu
 
 TRITON_TARGET = "__gpu$xla.gpu.triton"
 
@@ -202,6 +203,11 @@ def main(argv=None) -> int:
         fn = functools.partial(cluster_to_block_index_tpu, tokens=M - 16, slots=Mb, block_size=16)
         ranked = (1, P, group, Mb) if group > 1 else (1, P, Mb)
         tpu_ok &= _check_tpu(f"cluster_to_block_index_tpu Mb={Mb} group={group}", fn, S(ranked, i32), S(ranked, i32))
+    for h, G in ((32, 1), (8, 4)):
+        for dtype in (jnp.float32, jnp.bfloat16):
+            tpu_ok &= _check_tpu(f"selected_attention_tpu h={h} G={G} {jnp.dtype(dtype).name}", selected_attention_tpu,
+                                 S((1, h, G, 128), dtype), S((pages, 16, 128), dtype), S((pages, 16, 128), dtype),
+                                 S((1, h, 101), i32), S((1, h, 101, 16), jnp.bool_))
     print("all kernels lowered for tpu" if tpu_ok else "TPU LOWERING FAILED")
     if ok and args.ptx:
         ok = _compile_ptx(args.ptx, [(name, k) for name, ks in results for k in ks])

@@ -7,10 +7,34 @@ On a TPU (`on_tpu`) their Mosaic versions (`*_tpu`) run instead.
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 
 MODES = ("auto", "pallas", "reference")
 MIN_COMPUTE_CAPABILITY = 8.0
+
+_compile_targets: list = []  # innermost last; see `compile_for`
+
+
+@contextlib.contextmanager
+def compile_for(device):
+    """Choose kernels for `device` instead of the first JAX device while tracing inside this block: for
+    ahead-of-time compilation to a device that is not attached, e.g. a compile-only H100 from
+    `jax.experimental.topologies.get_topology_desc` (see `clusterkv_jax.aot`). Trace with `jit(...).trace`
+    in a process that has not traced the same function for the attached device (a jit cache hit would keep
+    the kernels chosen then)."""
+    _compile_targets.append(device)
+    try:
+        yield device
+    finally:
+        _compile_targets.pop()
+
+
+def _target_device():
+    """The device kernels are chosen for: the innermost `compile_for` device, else the first JAX device
+    (RuntimeError when there is none)."""
+    return _compile_targets[-1] if _compile_targets else jax.devices()[0]
 
 
 def _compute_capability(device) -> float | None:
@@ -24,10 +48,11 @@ def _compute_capability(device) -> float | None:
 
 
 def kernels_supported(device=None) -> bool:
-    """True only on a CUDA GPU with compute capability >= 8.0 (default: the first JAX device)."""
+    """True only on a CUDA GPU with compute capability >= 8.0 (default: the first JAX device, or the
+    `compile_for` device)."""
     if device is None:
         try:
-            device = jax.devices()[0]
+            device = _target_device()
         except RuntimeError:
             return False
     if device.platform != "gpu":
@@ -38,10 +63,11 @@ def kernels_supported(device=None) -> bool:
 
 
 def on_tpu(device=None) -> bool:
-    """True on a TPU (default: the first JAX device): the Mosaic kernels (`*_tpu`) apply there."""
+    """True on a TPU (default: the first JAX device, or the `compile_for` device): the Mosaic kernels
+    (`*_tpu`) apply there."""
     if device is None:
         try:
-            device = jax.devices()[0]
+            device = _target_device()
         except RuntimeError:
             return False
     return device.platform == "tpu"
@@ -62,7 +88,7 @@ def use_kernels(mode: str, *, interpret: bool = False) -> bool:
         return kernels_supported()
     if not interpret and not kernels_supported():
         try:
-            device = jax.devices()[0]
+            device = _target_device()
             where = f"{device.platform} device {device.device_kind!r}"
             cc = _compute_capability(device)
             if cc is not None:

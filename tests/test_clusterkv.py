@@ -272,16 +272,23 @@ def test_mosaic_tpu_kernels_in_interpret_mode_match_the_reference_path(monkeypat
     from clusterkv_jax import kmeans
     from clusterkv_jax.policies import clusterkv as clusterkv_module
     from pallas_kernels import centroid_update_tpu, cluster_to_block_index_tpu
+    from pallas_kernels.selected_attention_tpu import selected_attention_tpu
 
     monkeypatch.setattr(clusterkv_module, "on_tpu", lambda: True)
     monkeypatch.setattr(kmeans, "centroid_update_tpu", functools.partial(centroid_update_tpu, interpret=True))
     monkeypatch.setattr(clusterkv_module, "cluster_to_block_index_tpu",
                         functools.partial(cluster_to_block_index_tpu, interpret=True))
+    from clusterkv_jax import store as store_module
+
+    in_place = []
+    monkeypatch.setattr(store_module, "selected_attention_tpu", lambda *a: in_place.append(1) or
+                        selected_attention_tpu(*a, interpret=True))
     policy = ClusterKV(budget=40, kernels="auto", **SMALL)
     assert policy.kernel == "tpu"
     tokens, lengths = TOKENS[:2], LENGTHS[:2]
     ref, ref_cache = run(ClusterKV(budget=40, kernels="reference", **SMALL), tokens, lengths, steps=18)
     tpu, tpu_cache = run(policy, tokens, lengths, steps=18)
+    assert in_place, "the decode steps attend from the store with the Mosaic page-table kernel"
     for field in ("sizes", "block_start", "row_positions"):
         np.testing.assert_array_equal(np.asarray(getattr(tpu_cache.policy_state, field)),
                                       np.asarray(getattr(ref_cache.policy_state, field)))
@@ -335,11 +342,20 @@ def test_selection_and_window_attention_matches_numpy(per_query_head):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("per_query_head, chunk, W", [(True, 4, 8), (False, 4, 8), (True, 8, 0), (False, 2, 4)])
-def test_attend_in_place_matches_numpy(per_query_head, chunk, W):
-    """The Pallas page-table attention (interpret mode) over a layer of a multi-layer store: each head's selected
-    chunks and the ring of rows [0, W), one softmax, against a NumPy loop per head."""
+@pytest.mark.parametrize("per_query_head, chunk, W, kernel", [
+    (True, 4, 8, "interpret"), (False, 4, 8, "interpret"), (True, 8, 0, "interpret"), (False, 2, 4, "interpret"),
+    (True, 4, 8, "tpu"), (False, 8, 8, "tpu")])
+def test_attend_in_place_matches_numpy(per_query_head, chunk, W, kernel, monkeypatch):
+    """The Pallas page-table attention (Triton kernel in interpret mode, or its Mosaic version in TPU interpret
+    mode) over a layer of a multi-layer store: each head's selected chunks and the ring of rows [0, W), one
+    softmax, against a NumPy loop per head."""
+    import functools
+
+    from clusterkv_jax import store as store_module
     from clusterkv_jax.store import DeviceKV, Selection
+
+    monkeypatch.setattr(store_module, "selected_attention_tpu",
+                        functools.partial(store_module.selected_attention_tpu, interpret=True))
 
     rng = np.random.default_rng(chunk + W)
     L, B, N, K, S, H, n = 3, 2, 6, 2, 64, 16, 5
@@ -355,7 +371,7 @@ def test_attend_in_place_matches_numpy(per_query_head, chunk, W):
     selection = Selection(starts=jnp.asarray(starts), mask=jnp.asarray(mask), chunk=chunk)
     assert view.can_attend_in_place(selection, W)
     got = np.asarray(view.attend_in_place(jnp.asarray(q), selection, W, jnp.asarray(w_mask) if W else None,
-                                          interpret=True))
+                                          kernel=kernel))
     want = np.zeros((B, N, H), np.float32)
     for b in range(B):
         for i in range(N):

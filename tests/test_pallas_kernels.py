@@ -318,8 +318,14 @@ def test_cluster_block_index_equals_rank_and_index():
         (2, 3, 2, 32, 30, 4, 5, jnp.float32),  # pages of 4 rows; n not a multiple of block_pages
     ],
 )
-def test_selected_attention_matches_reference_and_numpy(B, h, G, H, P, c, n, dtype):
+@pytest.mark.parametrize("kernel", ["triton", "tpu"])
+def test_selected_attention_matches_reference_and_numpy(B, h, G, H, P, c, n, dtype, kernel):
+    """The Triton kernel (GPU interpret mode) and its Mosaic version (TPU interpret mode) against a NumPy loop."""
     from pallas_kernels.selected_attention import selected_attention, selected_attention_reference
+    from pallas_kernels.selected_attention_tpu import selected_attention_tpu
+
+    if kernel == "tpu":
+        selected_attention = selected_attention_tpu  # noqa: F811  (same arguments, same result)
 
     rng = np.random.default_rng(B * h + G + n)
     q = jnp.asarray(rng.standard_normal((B, h, G, H)), dtype)
@@ -428,6 +434,7 @@ def test_check_lowering_for_cuda_and_tpu():
     assert sum(line.startswith("selected_attention ") for line in cuda) == 4
     assert sum(line.startswith("centroid_update_tpu ") for line in tpu) == 4
     assert sum(line.startswith("cluster_to_block_index_tpu ") for line in tpu) == 2
+    assert sum(line.startswith("selected_attention_tpu ") for line in tpu) == 4
     assert "all kernels lowered for cuda" in proc.stdout and "all kernels lowered for tpu" in proc.stdout
 
 
@@ -446,3 +453,24 @@ def test_check_lowering_compiles_to_cubin():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "all kernels compiled to cubin" in proc.stdout
     assert "spills 0/0 B" in proc.stdout
+
+
+def test_compile_for_chooses_kernels_for_the_target_device():
+    """Ahead-of-time compilation for a GPU that is not attached: inside `compile_for(device)` the kernel switch
+    answers for that device, outside for the first JAX device (this CPU), also after an error inside."""
+    from clusterkv_jax.policies import ClusterKV
+
+    h100, tpu = _fake_device("gpu", "9.0"), _fake_device("tpu")
+    assert ClusterKV().kernel == "reference"
+    with dispatch.compile_for(h100):
+        assert dispatch.kernels_supported() and dispatch.use_kernels("auto") and dispatch.use_kernels("pallas")
+        assert [ClusterKV(kernels=k).kernel for k in ("auto", "pallas", "reference")] == [
+            "pallas", "pallas", "reference"]
+        with dispatch.compile_for(tpu):  # the innermost target wins
+            assert dispatch.on_tpu() and ClusterKV().kernel == "tpu"
+        assert not dispatch.on_tpu()
+    with pytest.raises(KeyError), dispatch.compile_for(h100):
+        raise KeyError("inside")
+    assert not dispatch.kernels_supported() and ClusterKV().kernel == "reference"
+    with dispatch.compile_for(_fake_device("gpu", "7.5")), pytest.raises(RuntimeError, match="compute capability"):
+        dispatch.use_kernels("pallas")

@@ -195,11 +195,11 @@ class KVPolicy:
         return self.index_recent(state, recent_keys, lengths, prompt_lengths)
 
     def _attends_in_place(self, kv, selection: Selection, window: int) -> bool:
-        """On the Pallas kernel path (a policy with a `kernel` switch resolved to "pallas", or "interpret" in
+        """On the Pallas kernel path (a policy with a `kernel` switch resolved to "pallas", "tpu", or "interpret" in
         tests), a device store, a ring window (or none) and no multi-device mesh (the page table addresses the
         whole store; under a mesh the rows are gathered per shard as before): attend straight from the store
         (`DeviceLayer.attend_in_place`) instead of gathering the rows first."""
-        return (getattr(self, "kernel", None) in ("pallas", "interpret") and hasattr(kv, "attend_in_place")
+        return (getattr(self, "kernel", None) in ("pallas", "tpu", "interpret") and hasattr(kv, "attend_in_place")
                 and (not window or self.ring_window) and kv.can_attend_in_place(selection, window)
                 and multi_device_axes() is None)
 
@@ -217,7 +217,7 @@ class KVPolicy:
             with jax.named_scope("attend"):
                 start = self.window_start(state, lengths, prompt_lengths)
                 w_mask = ring_window_mask(lengths, start, W, kv.positions) if W else None
-                out = kv.attend_in_place(q, selection, W, w_mask, interpret=self.kernel == "interpret")
+                out = kv.attend_in_place(q, selection, W, w_mask, kernel=self.kernel)
             return out, state, kv
         k_sel, v_sel, kv = kv.read(selection)
         k_win = v_win = w_mask = None

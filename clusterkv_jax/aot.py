@@ -1,0 +1,234 @@
+"""Compile for an accelerator that is not attached (XLA's deviceless ahead-of-time compilation). Nothing runs.
+
+    python -m clusterkv_jax.aot [--platform cuda|tpu] [--geometry llama3-8b --layers 4 --context 32768
+                                --budget 1024 --batch 1]
+
+compiles, for an H100 (sm90; `--platform cuda`) or a TPU v5e core (`--platform tpu`), the decode step of full
+KV, ClusterKV and Quest, each with its KV in device memory and offloaded to pinned host memory, and ClusterKV's
+prefill, with the kernels `kernels="auto"` picks there (the Pallas Triton kernels, or their Mosaic versions),
+and prints one row per program: compile seconds, the Pallas kernels in it, device and host memory. This is the
+target's whole XLA pipeline (Triton and ptxas for the GPU, Mosaic for the TPU): what would fail to compile on
+the device fails here. `make aot-cuda` / `make aot-tpu` install what each needs into a venv of its own (jax's
+CUDA plugin of the same version, `jax-cuda12-pjrt` and ptxas from `nvidia-cuda-nvcc-cu12`; or libtpu via
+`jax[tpu]`) and run this and `tests/test_aot.py`.
+
+How: `jax.experimental.topologies.get_topology_desc` gives compile-only devices: for CUDA from an XLA GPU target
+description (`H100_SXM`), for TPU from libtpu's topology names. In jaxlib 0.10.2 the CUDA ones have no memory
+kinds, so a `pinned_host` argument cannot be placed on them (a sharding on them drops the kind). So we lower for
+the target's platform from abstract values that carry their memory space (traced on the host CPU backend, which
+has pinned_host), and compile that module with the target's compile-only client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# XLA's GpuTargetConfigProto for an H100 SXM (from XLA's backends/gpu/target_config/specs/h100_sxm.txtpb), cut
+# to the fields jaxlib 0.10.2's proto knows. Only what codegen reads matters: compute capability, limits, sizes.
+H100_SXM = """
+gpu_device_info {
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: 233472
+  threads_per_core_limit: 2048
+  core_count: 132
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: 3352320000000
+  l2_cache_size: 52428800
+  clock_rate_ghz: 1.98
+  device_memory_size: 84942979072
+  shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 }
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 8 }
+device_description_str: "NVIDIA H100 80GB HBM3"
+"""
+
+INSTALL_HINT = (
+    "deviceless CUDA compilation needs jax's CUDA plugin of the installed jax version and ptxas: "
+    "pip install jax-cuda12-plugin=={v} jax-cuda12-pjrt=={v} nvidia-cuda-nvcc-cu12 (or run `make aot-cuda`)"
+)
+
+
+def cuda_target(spec: str = H100_SXM):
+    """A compile-only CUDA device described by `spec` (GpuTargetConfigProto text). RuntimeError, saying what to
+    install, when jax has no CUDA plugin here."""
+    from jax.experimental import topologies
+
+    try:
+        topology = topologies.get_topology_desc(platform="cuda", target_config=spec, topology="1x1x1")
+    except Exception as e:  # no plugin: RuntimeError / NotImplementedError / JaxRuntimeError, by version
+        raise RuntimeError(f"{INSTALL_HINT.format(v=jax.__version__)} ({type(e).__name__}: {e})") from e
+    return topology.devices[0]
+
+
+def tpu_target(topology: str = "v5e:2x2"):
+    """A compile-only TPU core of `topology` (its first), from libtpu (`pip install jax[tpu]==<jax version>`)."""
+    from jax.experimental import topologies
+
+    try:
+        return topologies.get_topology_desc(topology, "tpu").devices[0]
+    except Exception as e:
+        raise RuntimeError(f"deviceless TPU compilation needs libtpu: pip install 'jax[tpu]=={jax.__version__}' "
+                           f"(or run `make aot-tpu`) ({type(e).__name__}: {str(e)[:300]})") from e
+
+
+def abstract(fn, *args, **kwargs):
+    """The pytree fn(*args, **kwargs) would return (all arguments static), as `jax.ShapeDtypeStruct`s that keep
+    their memory kind, pinned_host or device, on the host CPU backend: `jax.eval_shape` drops the kind. Allocates
+    nothing. (Only a `NamedSharding` gives a struct's traced value its memory space.)"""
+    traced = jax.jit(fn, static_argnums=tuple(range(len(args))), static_argnames=tuple(kwargs)).trace(*args, **kwargs)
+    mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:1]), ("host",))
+
+    def struct(aval):
+        kind = "pinned_host" if aval.memory_space == jax.memory.Space.Host else "device"
+        return jax.ShapeDtypeStruct(aval.shape, aval.dtype,
+                                    sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(), kind))
+
+    return jax.tree.unflatten(jax.tree.structure(traced.out_info), [struct(a) for a in traced.jaxpr.out_avals])
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """One program compiled for the target: what it took and what it holds."""
+
+    name: str
+    seconds: float
+    kernels: tuple[str, ...]  # the Pallas kernels in the program, by function name (sorted, distinct)
+    device_argument_bytes: int
+    device_temp_bytes: int
+    host_argument_bytes: int
+    hlo: str  # the optimized HLO
+
+    @property
+    def host_buffers(self) -> int:
+        """How many instructions of the optimized HLO produce a buffer in host memory (memory space 5)."""
+        return len(re.findall(r"\{[^{}]*S\(5\)[^{}]*\}", self.hlo))
+
+
+def _pallas_kernels(hlo: str) -> tuple[str, ...]:
+    """The function each Pallas custom call (Triton or Mosaic) was traced in (the innermost `jit(NAME)` or named call before
+    `pallas_call` in its op_name)."""
+    names = set()
+    for line in hlo.splitlines():
+        if "__gpu$xla.gpu.triton" not in line and "tpu_custom_call" not in line:
+            continue
+        op = re.search(r'op_name="([^"]*)/pallas_call', line)
+        if op:
+            scopes = [s for s in op.group(1).split("/") if not s.startswith(("vmap(", "while", "cond", "branch"))]
+            name = scopes[-1] if scopes else op.group(1)
+            names.add(re.sub(r"^jit\((.*)\)$", r"\1", name))
+    return tuple(sorted(names))
+
+
+def compile_for_device(name: str, jitted, device, *args, **kwargs) -> Compiled:
+    """Traces `jitted` (a `jax.jit` function) on abstract args, choosing kernels for `device`, lowers it for the
+    device's platform (cuda, tpu) and compiles it with the device's compile-only client."""
+    from jax._src.lib import xla_client  # the compile-only client's API is not public in jax 0.10.2
+
+    from pallas_kernels.dispatch import compile_for
+
+    start = time.perf_counter()
+    with compile_for(device):
+        platform = {"gpu": "cuda"}.get(device.platform, device.platform)
+        lowered = jitted.trace(*args, **kwargs).lower(lowering_platforms=(platform,))
+    options = xla_client.CompileOptions()
+    executable = device.client.compile(lowered.compiler_ir("stablehlo"),
+                                       executable_devices=xla_client.DeviceList((device,)), compile_options=options)
+    seconds = time.perf_counter() - start
+    stats = executable.get_compiled_memory_stats()
+    hlo = "\n".join(m.to_string() for m in executable.hlo_modules())
+    return Compiled(name=name, seconds=seconds, kernels=_pallas_kernels(hlo),
+                    device_argument_bytes=stats.argument_size_in_bytes, device_temp_bytes=stats.temp_size_in_bytes,
+                    host_argument_bytes=stats.host_argument_size_in_bytes, hlo=hlo)
+
+
+def model_programs(config, policies: dict, *, device, batch: int, context: int, decode_room: int = 64,
+                   dtype=jnp.bfloat16, prefill: tuple[str, ...] = ()) -> list[Compiled]:
+    """Compiles `generate.decode_step` for each named policy (a cache of `context + decode_room` tokens) and
+    `generate.prefill` of a `context`-token prompt for the names in `prefill`."""
+    from clusterkv_jax.cache import init_cache
+    from clusterkv_jax.generate import decode_step
+    from clusterkv_jax.generate import prefill as prefill_step
+    from clusterkv_jax.model import init_params
+
+    params = jax.eval_shape(lambda: init_params(config, jax.random.key(0), dtype))
+    tokens = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    out = []
+    for name, policy in policies.items():
+        cache = abstract(init_cache, config, policy, batch, context + decode_room, dtype)
+        out.append(compile_for_device(f"decode {name}", decode_step, device, params, tokens, cache,
+                                      config=config, policy=policy))
+        if name in prefill:
+            prompt = jax.ShapeDtypeStruct((batch, context), jnp.int32)
+            out.append(compile_for_device(f"prefill {name}", prefill_step, device, params, prompt, tokens, cache,
+                                          config=config, policy=policy))
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--geometry", default="llama3-8b", help="a synthetic geometry (clusterkv_jax.config)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--budget", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--platform", choices=("cuda", "tpu"), default="cuda",
+                        help="cuda: an H100 (jax's CUDA plugin); tpu: a v5e core (libtpu)")
+    args = parser.parse_args(argv)
+
+    from clusterkv_jax.config import synthetic_config
+    from clusterkv_jax.policies import ClusterKV, FullKV, Quest
+
+    try:
+        device = cuda_target() if args.platform == "cuda" else tpu_target()
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    config = synthetic_config(args.geometry, layers=args.layers)
+    B = args.budget
+    policies = {
+        "full": FullKV(), "full offloaded": FullKV(offload=True),
+        f"clusterkv@{B}": ClusterKV(budget=B), f"clusterkv@{B} shared": ClusterKV(budget=B, gqa="shared"),
+        f"clusterkv@{B} offloaded": ClusterKV(budget=B, offload=True),
+        f"quest@{B}": Quest(budget=B), f"quest@{B} offloaded": Quest(budget=B, offload=True),
+    }
+    cc = f" (compute capability {device.compute_capability})" if args.platform == "cuda" else ""
+    print(f"target {device.device_kind}{cc}, jax {jax.__version__}; "
+          f"{args.geometry} x {args.layers} layers, batch {args.batch}, context {args.context}, bfloat16")
+    print("| program | compile s | Pallas kernels | host-memory buffers | device args MB | device temp MB | host args MB |")
+    print("|---|---|---|---|---|---|---|")
+    failed = 0
+    for name, policy in policies.items():
+        try:
+            results = model_programs(config, {name: policy}, device=device, batch=args.batch, context=args.context,
+                                     prefill=(f"clusterkv@{B}", f"clusterkv@{B} offloaded"))
+        except Exception as e:  # report every program, then fail
+            failed += 1
+            print(f"| decode {name} | FAILED: {type(e).__name__}: {str(e)[:500]} |", flush=True)
+            continue
+        for r in results:
+            print(f"| {r.name} | {r.seconds:.1f} | {', '.join(r.kernels) or '-'} | {r.host_buffers} | "
+                  f"{r.device_argument_bytes / 1e6:.0f} | {r.device_temp_bytes / 1e6:.0f} | "
+                  f"{r.host_argument_bytes / 1e6:.0f} |", flush=True)
+    print("all programs compiled" if not failed else f"{failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Deviceless ahead-of-time compilation for an H100 and a TPU v5e (`clusterkv_jax.aot`).
+
+The compile tests are opt-in: they need jax's CUDA plugin and ptxas, or libtpu, which the project environment
+does not install (`make aot-cuda` / `make aot-tpu` install them into a venv of their own and run this file with
+CLUSTERKV_AOT_REQUIRED=cuda / tpu, which turns that platform's skip into a failure). `abstract`, which they
+build on, and the CLI's error without a plugin are tested everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from clusterkv_jax import aot
+from clusterkv_jax.cache import init_cache
+from clusterkv_jax.config import synthetic_config
+from clusterkv_jax.policies import ClusterKV, FullKV, Quest
+
+CONFIG = synthetic_config("llama3-8b", layers=3)  # 2 full layers + 1 selecting layer
+CONTEXT, BATCH = 2048, 2
+
+
+def _memory_kinds(tree):
+    return [(jax.tree_util.keystr(path), leaf.shape, leaf.dtype, leaf.sharding.memory_kind)
+            for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+@pytest.mark.parametrize("policy", [ClusterKV(budget=256, offload=True), Quest(budget=256, offload=True),
+                                    ClusterKV(budget=256)], ids=["clusterkv-offloaded", "quest-offloaded", "clusterkv"])
+def test_abstract_cache_has_the_shapes_and_memory_kinds_of_the_real_one(policy):
+    config = synthetic_config("smollm2-135m", layers=4)
+    real = init_cache(config, policy, 2, 700, jnp.float32)
+    structs = aot.abstract(init_cache, config, policy, 2, 700, jnp.float32)
+    assert jax.tree.structure(structs) == jax.tree.structure(real)
+    assert _memory_kinds(structs) == _memory_kinds(real)
+    assert any(kind == "pinned_host" for *_, kind in _memory_kinds(real)) == policy.offload
+
+
+def test_cli_without_the_cuda_plugin_says_what_to_install(monkeypatch, capsys):
+    def missing():
+        raise RuntimeError(aot.INSTALL_HINT.format(v=jax.__version__))
+
+    monkeypatch.setattr(aot, "cuda_target", missing)
+    assert aot.main([]) == 2
+    err = capsys.readouterr().err
+    assert f"jax-cuda12-plugin=={jax.__version__}" in err and "make aot-cuda" in err
+
+
+@pytest.fixture(scope="module", params=["cuda", "tpu"])
+def target(request):
+    """A compile-only H100 (platform cuda) or TPU v5e core (platform tpu), where its compiler is installed."""
+    try:
+        return aot.cuda_target() if request.param == "cuda" else aot.tpu_target()
+    except RuntimeError as e:
+        if os.environ.get("CLUSTERKV_AOT_REQUIRED") == request.param:
+            raise
+        pytest.skip(f"opt-in (make aot-{request.param}): {str(e)[:200]}")
+
+
+def _named(kernels, device):
+    """Kernel function names as they appear on `device`: the Mosaic versions are the `*_tpu` ones."""
+    return tuple(k + "_tpu" for k in kernels) if device.platform == "tpu" else tuple(kernels)
+
+
+def _compile(policy, device, prefill=False):
+    return {r.name.split()[0]: r for r in aot.model_programs(CONFIG, {"p": policy}, device=device, batch=BATCH,
+                                                              context=CONTEXT, prefill=("p",) if prefill else ())}
+
+
+def _host_bytes(policy):
+    """Bytes of the cache arrays that the real cache, built on this CPU, keeps in pinned_host memory."""
+    cache = init_cache(CONFIG, policy, BATCH, CONTEXT + 64, jnp.bfloat16)
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(cache) if leaf.sharding.memory_kind == "pinned_host")
+
+
+def test_targets_are_an_sm90_gpu_and_a_v5e(target):
+    if target.platform == "gpu":
+        assert float(target.compute_capability) == 9.0 and "H100" in target.device_kind
+    else:
+        assert target.platform == "tpu" and target.device_kind == "TPU v5 lite"
+
+
+@pytest.mark.parametrize("gqa", ["per_head", "shared"])
+def test_clusterkv_decode_and_prefill_compile_with_the_pallas_kernels(target, gqa):
+    """On sm90 kernels="auto" picks the Triton kernels, on a TPU their Mosaic versions: the decode step holds the
+    cluster-to-block indexing, the page-table attention and (in the decode-time clustering) the centroid update;
+    prefill holds K-means' centroid update. kernels="reference" compiles to none."""
+    programs = _compile(ClusterKV(budget=256, gqa=gqa), target, prefill=True)
+    assert programs["decode"].kernels == _named(("centroid_update", "cluster_to_block_index", "selected_attention"),
+                                                target)
+    assert programs["prefill"].kernels == _named(("centroid_update",), target)
+    assert programs["decode"].host_argument_bytes == 0 and programs["decode"].host_buffers == 0
+    assert _compile(ClusterKV(budget=256, gqa=gqa, kernels="reference"), target)["decode"].kernels == ()
+
+
+@pytest.mark.parametrize("policy", [ClusterKV(budget=256, offload=True), Quest(budget=256, offload=True),
+                                    FullKV(offload=True)], ids=["clusterkv", "quest", "full"])
+def test_offloaded_decode_compiles_with_the_store_in_pinned_host_memory(target, policy):
+    """The offloaded store stays a pinned_host argument of the compiled GPU program (XLA did not move it to the
+    device), and device memory holds that much less than the on-device program's."""
+    host = _host_bytes(policy)
+    offloaded = _compile(policy, target)["decode"]
+    on_device = _compile(dataclasses.replace(policy, offload=False), target)["decode"]
+    assert host > 0 and offloaded.host_argument_bytes == host
+    assert offloaded.host_buffers > 0
+    # The offloaded program adds device buffers of its own (window ring, recall cache): less than it moved out.
+    assert offloaded.device_argument_bytes < on_device.device_argument_bytes
+    if isinstance(policy, ClusterKV):  # the selection runs on the device; the attention reads gathered rows
+        assert offloaded.kernels == _named(("centroid_update", "cluster_to_block_index"), target)
+
+
+def test_cli_prints_one_row_per_program(target, capsys):
+    platform = "cuda" if target.platform == "gpu" else "tpu"
+    assert aot.main(["--layers", "3", "--context", "1024", "--budget", "256", "--platform", platform]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| decode") or line.startswith("| prefill")]
+    assert len(rows) == 9 and out.rstrip().endswith("all programs compiled")
+    assert np.all(["FAILED" not in r for r in rows])
