@@ -38,7 +38,7 @@ $(VENV)-aot-%/.aot: pyproject.toml constraints.txt
 	$(VENV)-aot-$*/bin/python -m pip install --disable-pip-version-check -q -c constraints.txt -e '.[aot-$*]' pytest
 	touch $@
 
-aot-%: $(VENV)-aot-%/.aot
+aot-cuda aot-tpu: aot-%: $(VENV)-aot-%/.aot
 	JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 CLUSTERKV_AOT_REQUIRED=$* $(VENV)-aot-$*/bin/python -m pytest -q \
 	    -p no:cacheprovider tests/test_aot.py
 	JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $(VENV)-aot-$*/bin/python -m clusterkv_jax.aot --platform $*
