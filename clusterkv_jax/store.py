@@ -106,7 +106,12 @@ class LayerView:
     positions: int  # S, the cache's capacity in positions (the store may have more rows than positions)
 
     def commit_window(self, rows, dest) -> "LayerView":
-        """Copies window rows [B, W] to rows dest [B, K, W] (out of range: nothing copied)."""
+        """Copies window rows [B, W] to rows dest [B, K, W] (out of range: nothing copied).
+
+        Always a scatter (of W rows per KV head, all dropped on a step with nothing due), never a `lax.cond`
+        around it: a conditional that returns the store made XLA:GPU copy the layer group's whole store on every
+        layer of every decode step (6 copies of a 2-layer 32k store per step; found compiling for an H100,
+        `clusterkv_jax.aot`), while XLA:CPU updated it in place either way."""
         k, v = self.window(rows)  # [B, K, W, H]
         return type(self)(self.store.write_rows(row_index(dest, self.index), k, v), self.index, self.positions)
 

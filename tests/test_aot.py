@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,7 @@ from clusterkv_jax.cache import init_cache
 from clusterkv_jax.config import synthetic_config
 from clusterkv_jax.policies import ClusterKV, FullKV, Quest
 
-CONFIG = synthetic_config("llama3-8b", layers=3)  # 2 full layers + 1 selecting layer
+CONFIG = synthetic_config("llama3-8b", layers=4)  # 2 full layers + 2 selecting layers (a loop over them)
 CONTEXT, BATCH = 2048, 2
 
 
@@ -95,6 +96,12 @@ def test_clusterkv_decode_and_prefill_compile_with_the_pallas_kernels(target, gq
                                                 target)
     assert programs["prefill"].kernels == _named(("centroid_update",), target)
     assert programs["decode"].host_argument_bytes == 0 and programs["decode"].host_buffers == 0
+    # No copy of the selecting layers' whole store in a decode step (a `lax.cond` returning the store made
+    # XLA:GPU copy it on every layer of every step).
+    store = init_cache(CONFIG, ClusterKV(budget=256), BATCH, CONTEXT + 64, jnp.bfloat16).groups[-1].store.k
+    shape = f"{jnp.dtype(store.dtype).name.replace('bfloat16', 'bf16')}[{','.join(map(str, store.shape))}]"
+    assert shape in programs["decode"].hlo
+    assert not re.search(re.escape(shape) + r"\{[^}]*\} copy\(", programs["decode"].hlo)
     assert _compile(ClusterKV(budget=256, gqa=gqa, kernels="reference"), target)["decode"].kernels == ()
 
 

@@ -420,17 +420,13 @@ class ClusterKV(KVPolicy):
         )
 
     def commit_recent(self, old_state: ClusterIndex, new_state: ClusterIndex, kv):
-        """Copies the window's rows of the sequences just clustered to their new blocks."""
+        """Copies the window's rows of the sequences just clustered to their new blocks (a sequence not due
+        copies nothing: its destinations are out of range). The store decides whether to skip a step with
+        nothing due (`LayerView.commit_window`)."""
         due = new_state.clustered_upto != old_state.clustered_upto  # [B]
         W, R = self.decode_interval, old_state.row_positions.shape[-1]
-
-        def move(store):
-            view = type(kv)(store, kv.index, kv.positions)
-            rows = (old_state.clustered_upto[:, None] + jnp.arange(W)) % W  # [B, W] the window's rows
-            dest = jnp.where(due[:, None, None], new_state.recent_rows, R)
-            return view.commit_window(rows, dest).store
-
-        return type(kv)(jax.lax.cond(jnp.any(due), move, lambda s: s, kv.store), kv.index, kv.positions)
+        rows = (old_state.clustered_upto[:, None] + jnp.arange(W)) % W  # [B, W] the window's rows
+        return kv.commit_window(rows, jnp.where(due[:, None, None], new_state.recent_rows, R))
 
     def _scores(self, state: ClusterIndex, q):
         """Every cluster's score (`score`): [B, K, G, C] per query head, or [B, K, 1, C] for the sum over a KV
