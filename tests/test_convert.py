@@ -603,8 +603,13 @@ def test_interrupted_conversion_leaves_nothing_behind(larger_hf_dir, tmp_path, s
     import time
 
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "checkpoints_convert", "hf", larger_hf_dir, str(out), "--dtype",
-                             "float32"], stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    # The CLI as a user's shell starts it: SIGINT raising KeyboardInterrupt. A test run started in the background
+    # (`cmd &`, nohup) passes SIGINT on ignored, and a process that inherits an ignored SIGINT rightly keeps
+    # ignoring it; so the child restores Python's handler before it runs the module.
+    start = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+             "sys.argv[0] = 'checkpoints_convert'; runpy.run_module('checkpoints_convert', run_name='__main__')")
+    proc = subprocess.Popen([sys.executable, "-c", start, "hf", larger_hf_dir, str(out), "--dtype", "float32"],
+                            stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     deadline = time.monotonic() + 120
     sent = saved = False
