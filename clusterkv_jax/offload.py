@@ -205,33 +205,29 @@ class HostLayer(LayerView):
     def values(self):
         return self._stream(self.store.v)
 
-    def host_gather(self, starts, chunk: int):
-        """Host chunks of `chunk` rows from starts [B, h, n] (head n reads KV head n // (h // K)) -> device
-        [B, h, n, chunk, H]."""
+    def host_gather(self, starts, chunk: int, aligned: bool = False):
+        """Host chunks of `chunk` rows from starts [B, h, n] (head n reads KV head n // (h // K); `aligned`: as
+        `Selection.aligned`) -> device [B, h, n, chunk, H]."""
         B, h, n = starts.shape
         K, H = self.store.k.shape[2], self.store.k.shape[4]
+        aligned = aligned and self.store.capacity % chunk == 0
         # In range by construction (clamped on the device), so the host computation is a plain gather.
         safe = jnp.clip(per_kv_head(starts, K), 0, self.store.capacity - chunk)
         index = to_host(row_index(safe, self.index))
 
         def gather(store):
-            return gather_rows(store, index, mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS, chunk=chunk)
+            return gather_rows(store, index, mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS, chunk=chunk,
+                               aligned=aligned)
 
         k = to_device(_on_host(gather, self.store.k))
         v = to_device(_on_host(gather, self.store.v))
         return k.reshape(B, h, n, chunk, H), v.reshape(B, h, n, chunk, H)
 
     def commit_window(self, rows, dest):
-        """As `LayerView.commit_window`, under a `lax.cond` that skips the host round trip on steps with nothing
-        due (every m-th step does one). Compiled for an H100 the offloaded step copies the host store either way
-        (4 copies per step at 2 layers x 32k; `clusterkv_jax.aot`): not yet solved."""
-        R = self.store.k.shape[3]
-
-        def commit(store):
-            return LayerView.commit_window(type(self)(store, self.index, self.positions), rows, dest).store
-
-        store = jax.lax.cond(jnp.any(dest < R), commit, lambda store: store, self.store)
-        return type(self)(store, self.index, self.positions)
+        """Under a `lax.cond` on every platform (`commit_window_if_due`): it skips the host round trip on steps
+        with nothing due (every m-th step does one). Compiled for an H100 the offloaded step copies the host store
+        either way (4 copies per step at 2 layers x 32k; `clusterkv_jax.aot`): not yet solved."""
+        return self.commit_window_if_due(rows, dest)
 
     def window(self, rows):
         B, W = rows.shape
@@ -258,7 +254,7 @@ class HostLayer(LayerView):
         flat = lambda x: x.reshape(B, h, c * chunk, H)
         rows_selected = jnp.sum(selection.mask)
         if R == 0:  # no cache: every selected chunk crosses
-            k, v = self.host_gather(starts, chunk)
+            k, v = self.host_gather(starts, chunk, selection.aligned)
             rc = rc.replace(step=count(rc.step, 1), selected=count(rc.selected, rows_selected),
                             fetched=count(rc.fetched, float(B * h * c * chunk)))
             return flat(k), flat(v), HostLayer(self.store.replace(recall=rc), at, self.positions)
@@ -288,7 +284,7 @@ class HostLayer(LayerView):
 
         def fetch(n):
             def run(kv):
-                k, v = self.host_gather(miss_starts[..., :n], chunk)  # [B, h, n, chunk, H]
+                k, v = self.host_gather(miss_starts[..., :n], chunk, selection.aligned)  # [B, h, n, chunk, H]
                 # A select between two chunk gathers, not an in-place scatter into the cached rows (the switch's
                 # operands): XLA:CPU copies operands a branch updates, and scatters element by element.
                 source = jnp.clip(miss_rank, 0, n - 1)

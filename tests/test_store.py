@@ -70,10 +70,13 @@ def test_store_protocol_against_numpy(placement):
         np.testing.assert_array_equal(np.asarray(to_device(store.k)), want_k)
 
 
+@pytest.mark.parametrize("aligned", [False, True], ids=["any-start", "aligned"])
 @pytest.mark.parametrize("placement", ["device", "host"])
-def test_chunks_layers_and_window_commits_against_numpy(placement):
-    """Whole-layer writes, reads of chunks of consecutive rows (the recall cache looking whole chunks up), and the
-    window's rows copied to rows elsewhere, as a NumPy model of the store says."""
+def test_chunks_layers_and_window_commits_against_numpy(placement, aligned):
+    """Whole-layer writes, reads of chunks of consecutive rows (the recall cache looking whole chunks up; with
+    `aligned`, chunks that are whole blocks of the store, read as blocks), and the window's rows copied to rows
+    elsewhere (and a commit with every destination out of range: nothing moves), as a NumPy model of the store
+    says."""
     rng = np.random.default_rng(1)
     chunk, c = 4, 3
     if placement == "device":
@@ -84,12 +87,14 @@ def test_chunks_layers_and_window_commits_against_numpy(placement):
     store = jax.jit(lambda s, k, v: s.write_layer(jnp.int32(0), k, v))(store, want_k, want_v)
     view = lambda s: s.layer(jnp.int32(0))  # noqa: E731
     def read_selection(s, st, m):
-        k, v, after = view(s).read(Selection(starts=st, mask=m, chunk=chunk))
+        k, v, after = view(s).read(Selection(starts=st, mask=m, chunk=chunk, aligned=aligned))
         return k, v, after.store
 
     read = jax.jit(read_selection)
     for step in range(3):  # the recall cache sees repeated chunks
         starts = rng.integers(0, S - chunk + 1, (B, K, c)).astype(np.int32)
+        if aligned:
+            starts = starts // chunk * chunk
         mask = rng.random((B, K, c, chunk)) < 0.8
         k_sel, v_sel, store = read(store, starts, mask)
         rows = starts[..., None] + np.arange(chunk)
@@ -107,7 +112,9 @@ def test_chunks_layers_and_window_commits_against_numpy(placement):
     window = np.tile(np.arange(3, 7), (B, 1)).astype(np.int32)
     dest = rng.permutation(np.arange(10, 10 + K * 4)).reshape(1, K, 4).repeat(B, 0).astype(np.int32)
     dest[1, 0, 2] = S
-    store = jax.jit(lambda s, w, d: view(s).commit_window(w, d).store)(store, window, dest)
+    commit = jax.jit(lambda s, w, d: view(s).commit_window(w, d).store)
+    store = commit(store, window, dest)
+    store = commit(store, window[:, ::-1].copy(), np.full_like(dest, S))  # nothing due: every row dropped
     for b in range(B):
         for k in range(K):
             for i in range(4):
@@ -160,3 +167,24 @@ def _shapes(jaxpr):
                     yield from _shapes(sub)
                 elif hasattr(getattr(sub, "jaxpr", None), "eqns"):
                     yield from _shapes(sub.jaxpr)
+
+
+def test_device_commit_is_conditional_on_the_cpu_only():
+    """`DeviceLayer.commit_window` skips its scatter under a `lax.cond` on the CPU (where the cond updates the
+    store in place and the unconditional scatter cost a quarter of a layer's step) and is a plain scatter for
+    CUDA (where a cond returning the store copied it whole): `lax.platform_dependent` resolves at lowering."""
+    store = DeviceKV.create(n, B, K, S, H, jnp.float32)
+    window = jnp.zeros((B, 4), jnp.int32)
+    dest = jnp.full((B, K, 4), S, jnp.int32)
+    commit = jax.jit(lambda s, w, d: s.layer(jnp.int32(0)).commit_window(w, d).store)
+
+    def module(platform):
+        return commit.trace(store, window, dest).lower(lowering_platforms=(platform,)).as_text()
+
+    # The due test (any destination < R) is the only comparison: the CPU module computes it to branch on, the CUDA
+    # one does not (its only `case` is platform_dependent's own, on a constant index, which XLA folds).
+    cpu, cuda = module("cpu"), module("cuda")
+    assert "stablehlo.compare" in cpu and "stablehlo.scatter" in cpu
+    assert "stablehlo.compare" not in cuda and "stablehlo.scatter" in cuda
+    compiled = commit.lower(store, window, dest).compile().as_text()
+    assert "conditional(" in compiled

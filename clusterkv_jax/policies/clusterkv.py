@@ -474,7 +474,7 @@ class ClusterKV(KVPolicy):
         starts = jnp.concatenate([jnp.broadcast_to(sink_starts, (B, K, g, ns)), blocks * bs], axis=-1)
         mask = jnp.concatenate([jnp.broadcast_to(sink_mask[:, None, None], (B, K, g, ns, bs)), mask], axis=-2)
         return Selection(starts=starts.reshape(B, K * g, ns + Mb), mask=mask.reshape(B, K * g, ns + Mb, bs),
-                         chunk=bs)
+                         chunk=bs, aligned=True)
 
     def _refine(self, state: ClusterIndex, q, blocks, rows, tokens: int, slots: int):
         """The best blocks of the candidate clusters' blocks [B, K, g, M] (rows used in each: rows), by q·(block
