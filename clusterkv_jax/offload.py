@@ -210,7 +210,6 @@ class HostLayer(LayerView):
         `Selection.aligned`) -> device [B, h, n, chunk, H]."""
         B, h, n = starts.shape
         K, H = self.store.k.shape[2], self.store.k.shape[4]
-        aligned = aligned and self.store.capacity % chunk == 0
         # In range by construction (clamped on the device), so the host computation is a plain gather.
         safe = jnp.clip(per_kv_head(starts, K), 0, self.store.capacity - chunk)
         index = to_host(row_index(safe, self.index))
@@ -224,9 +223,10 @@ class HostLayer(LayerView):
         return k.reshape(B, h, n, chunk, H), v.reshape(B, h, n, chunk, H)
 
     def commit_window(self, rows, dest):
-        """Under a `lax.cond` on every platform (`commit_window_if_due`): it skips the host round trip on steps
-        with nothing due (every m-th step does one). Compiled for an H100 the offloaded step copies the host store
-        either way (4 copies per step at 2 layers x 32k; `clusterkv_jax.aot`): not yet solved."""
+        """Under the `lax.cond` on every platform, not only the CPU (`commit_window_if_due`): it skips the host
+        round trip on steps with nothing due (every m-th step does one). Compiled for an H100 the offloaded step
+        copies the host store either way (4 copies per step at 2 layers x 32k; `clusterkv_jax.aot`): not yet
+        solved."""
         return self.commit_window_if_due(rows, dest)
 
     def window(self, rows):

@@ -111,15 +111,16 @@ def row_index(positions: jax.Array, layer: jax.Array | int | None = None) -> jax
     return jnp.stack([layer, positions], axis=-1)
 
 
-def gather_rows(store: jax.Array, index: jax.Array, mode=READ_MODE, chunk: int = 1, aligned: bool = False) -> jax.Array:
+def gather_rows(store: jax.Array, index: jax.Array, mode=READ_MODE, chunk: int = 1,
+                aligned: bool = False) -> jax.Array:
     """store [L, B, K, S, H] or [B, K, S, H], index [B, K, n, .] from `row_index` -> rows [B, K, n, H]; with
     `chunk` > 1 each index is the first of `chunk` consecutive rows: -> [B, K, n, chunk, H] (one contiguous slice
     per index, so XLA copies chunks instead of computing an address per row).
 
-    `aligned`: every first row is a multiple of `chunk` and `chunk` divides S, so the store is read as blocks,
+    `aligned`: every first row is a multiple of `chunk`; where `chunk` also divides S the store is read as blocks,
     [..., S / chunk, chunk * H], one row of chunk * H per index: XLA:CPU's gather then copies 30-40% faster
     (8 x 81 blocks of 16 x 128 float32: 0.29 vs 0.41 ms)."""
-    if aligned and chunk > 1:
+    if aligned and chunk > 1 and store.shape[-2] % chunk == 0:
         *lead, S, H = store.shape
         blocks = store.reshape(*lead, S // chunk, chunk * H)
         block_index = jnp.concatenate([index[..., :-1], index[..., -1:] // chunk], axis=-1)

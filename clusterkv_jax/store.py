@@ -26,7 +26,8 @@ The protocol (`layer` is the layer's index inside the group, a traced int):
         view.ring(W) -> (k, v)                  rows [0, W) [B, K, W, H]: a window kept as a ring (row = position
                                                 % W) read as one slice
         view.commit_window(rows, dest) -> view  copies window rows [B, W] to rows dest [B, K, W] (dest out of
-                                                range: nothing copied; shared by both placements)
+                                                range: nothing copied; on the CPU skipped under a cond when
+                                                nothing is in range, HostKV everywhere)
         view.store                              the store after the reads (HostKV keeps a recall cache)
     store.memory_kinds()                        the store with every array replaced by its memory kind
     store.nbytes()                              {"device": bytes, "host": bytes} actually held
@@ -108,20 +109,34 @@ class LayerView:
     positions: int  # S, the cache's capacity in positions (the store may have more rows than positions)
 
     def commit_window(self, rows, dest) -> "LayerView":
-        """Copies window rows [B, W] to rows dest [B, K, W] (out of range: nothing copied): a scatter of W rows
-        per KV head, all dropped on a step with nothing due."""
-        k, v = self.window(rows)  # [B, K, W, H]
-        return type(self)(self.store.write_rows(row_index(dest, self.index), k, v), self.index, self.positions)
+        """Copies window rows [B, W] to rows dest [B, K, W] (out of range: nothing copied): a scatter of W rows per
+        KV head, all dropped on a step with nothing due (m - 1 steps in m).
+
+        On the CPU the scatter runs under a `lax.cond` that skips it on those steps (`commit_window_if_due`):
+        XLA:CPU updates the store in place under the cond, and the unconditional scatter, with its gather of the
+        window's rows, cost ~0.5 ms of a 3 ms `gqa="shared"` layer step at Llama-3-8B geometry (8k). Elsewhere it
+        always runs: a conditional that returns the store made XLA:GPU copy the layer group's whole store on every
+        layer of every decode step (6 copies of a 2-layer 32k store per step; found compiling for an H100,
+        `clusterkv_jax.aot`). `lax.platform_dependent` picks at lowering: the compiler never sees both."""
+        store = jax.lax.platform_dependent(
+            self.store,
+            cpu=lambda store: self.with_store(store).commit_window_if_due(rows, dest).store,
+            default=lambda store: self.with_store(store)._scatter_window(rows, dest).store)
+        return self.with_store(store)
 
     def commit_window_if_due(self, rows, dest) -> "LayerView":
-        """`commit_window` under a `lax.cond` that skips it when no destination is in range (m - 1 steps in m)."""
+        """`commit_window`'s scatter under a `lax.cond` that skips it when no destination is in range."""
         R = self.store.k.shape[3]
+        store = jax.lax.cond(jnp.any(dest < R), lambda store: self.with_store(store)._scatter_window(rows, dest).store,
+                             lambda store: store, self.store)
+        return self.with_store(store)
 
-        def commit(store):
-            return LayerView.commit_window(type(self)(store, self.index, self.positions), rows, dest).store
+    def _scatter_window(self, rows, dest) -> "LayerView":
+        k, v = self.window(rows)  # [B, K, W, H]
+        return self.with_store(self.store.write_rows(row_index(dest, self.index), k, v))
 
-        store = jax.lax.cond(jnp.any(dest < R), commit, lambda store: store, self.store)
-        return type(self)(store, self.index, self.positions)
+    def with_store(self, store) -> "LayerView":
+        return dataclasses.replace(self, store=store)
 
 
 @flax.struct.dataclass
@@ -175,8 +190,7 @@ class DeviceLayer(LayerView):
         K, H = self.store.k.shape[2], self.store.k.shape[4]
         index = row_index(per_kv_head(selection.starts, K), self.index)
         c = selection.chunk
-        aligned = selection.aligned and self.store.k.shape[3] % c == 0
-        k, v = (gather_rows(x, index, chunk=c, aligned=aligned).reshape(B, h, n * c, H)
+        k, v = (gather_rows(x, index, chunk=c, aligned=selection.aligned).reshape(B, h, n * c, H)
                 for x in (self.store.k, self.store.v))
         return k, v, self
 
@@ -187,22 +201,6 @@ class DeviceLayer(LayerView):
 
     def ring(self, window: int):
         return self.keys()[:, :, :window], self.values()[:, :, :window]
-
-    def commit_window(self, rows, dest) -> "DeviceLayer":
-        """On the CPU under a `lax.cond` (`commit_window_if_due`): there the unconditional scatter, with its
-        gather of the window's rows, cost 0.6 ms of a 2.4 ms `gqa="shared"` layer step at Llama-3-8B geometry
-        (8k), and XLA:CPU updates the store in place under the cond. Elsewhere always the scatter: a conditional
-        that returns the store made XLA:GPU copy the layer group's whole store on every layer of every decode
-        step (6 copies of a 2-layer 32k store per step; found compiling for an H100, `clusterkv_jax.aot`).
-        `lax.platform_dependent` picks at lowering: the compiler never sees both."""
-        store = jax.lax.platform_dependent(
-            self.store,
-            cpu=lambda store: LayerView.commit_window_if_due(self._with(store), rows, dest).store,
-            default=lambda store: LayerView.commit_window(self._with(store), rows, dest).store)
-        return self._with(store)
-
-    def _with(self, store) -> "DeviceLayer":
-        return type(self)(store, self.index, self.positions)
 
     def attend_in_place(self, q, selection: Selection, window: int, window_mask, *, kernel: str):
         """One softmax over each head's selection and (window > 0) the ring of rows [0, window), read where they
