@@ -166,6 +166,7 @@ def test_hf_model_from_our_params_gives_our_logits(tie):
         theirs = hf(torch.from_numpy(tokens)).logits.numpy()
     np.testing.assert_allclose(np.asarray(ours), theirs, atol=2e-4)
     decoder = HFDecoder(hf, tokens)
+    assert decoder.tokens == [int(np.argmax(theirs[0, -1]))]  # prefill keeps the last position's logits
     assert decoder.step() > 0 and len(decoder.tokens) == 2
 
 

@@ -70,7 +70,9 @@ class HFDecoder:
         self.batch = ids.shape[0]
         with torch.inference_mode():
             start = time.perf_counter()
-            out = model(input_ids=ids, use_cache=True)
+            # The last position's logits only, as transformers' own `generate` computes a prompt (ours does too):
+            # all of them would add a [T, V] LM-head product (a few seconds at 8k tokens) to HF's prefill.
+            out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
             self.prefill_s = time.perf_counter() - start
         self.past, self.token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
         self.tokens = [int(self.token[0, 0])]
