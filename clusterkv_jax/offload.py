@@ -6,15 +6,16 @@ where a backend lacks it we fall back and warn once). For a group of selecting l
 
 - a ring of the last W tokens written (slot = position % W): the policy's unindexed window, read every step
   and clustered from when it is due, without a host round trip;
-- a recall cache: the chunks (rows, ClusterKV's blocks, Quest's pages) selected in the last R = `cache_steps`
-  steps, looked up by their first row.
+- a recall cache (`RecallCache`): device slots holding the chunks (rows, ClusterKV's blocks, Quest's pages)
+  selected in the last R = `cache_steps` steps, looked up by their first row.
 
 Each decode step of such a layer: the new token's K/V go to the host store and to the ring; the policy
-selects on the device; `read` looks the selected chunks up in the recall cache and fetches only the missing
-chunks from the host (their first rows move to the host, the host gathers the chunks inside the same jit via
-`compute_on`, they move back), in transfers bucketed to c/8, c/4, c/2 or c chunks so shapes stay static yet
-shrink with the misses. Results equal the on-device path exactly. A group of full layers (`FullKV(offload=True)`) has neither
-buffer: each step streams the whole layer to the device.
+selects on the device; `read` finds the selected chunks in the recall cache, fetches only the missing ones from
+the host into free slots (their first rows move to the host, the host gathers the chunks inside the same jit
+via `compute_on`, they move back; `fetch_size(c)` chunks a round, as many rounds as the most missing head
+needs, none when everything hits), and attention reads the slots. The hits never move. Results equal the
+on-device path exactly. A group of full layers (`FullKV(offload=True)`) has neither buffer: each step streams
+the whole layer to the device.
 
 Device bytes of an offloaded selecting group depend on (budget, R, W), not on the context length.
 Shapes: n layers, B batch, K KV heads, h selection heads (N or K), c chunks of `chunk` rows, W window, H head dim.
@@ -93,30 +94,74 @@ def host_zeros(shape, dtype):
 
 @flax.struct.dataclass
 class RecallCache:
-    """The chunks each selection head selected in the last R steps (by their first row), per layer of the group,
-    with their rows, and counters."""
+    """Device slots for chunks read from the host, per layer of the group and selection head: R·c slots of one
+    chunk each (c chunks a selection, R = `cache_steps`), each holding the chunk that starts at its id.
 
-    ids: jax.Array  # [n, B, h, R, c] int32 first row of each cached chunk (-1: empty)
-    k: jax.Array  # [n, B, h, R, c, chunk, H]
-    v: jax.Array  # [n, B, h, R, c, chunk, H]
+    A chunk selected in one of the last R steps is still in its slot (a hit); a chunk that misses is fetched from
+    the host into a slot no chunk of this step uses, the least recently used first, so only misses move and the
+    hits stay where they are. Chunks never change once a policy can select them (ClusterKV's blocks are written
+    once, when their cluster is laid out; Quest selects only whole pages), so a slot's copy stays exact."""
+
+    ids: jax.Array  # [n, B, h, S] int32 first row of the chunk in each slot (-1: empty); S = R·c slots
+    last_used: jax.Array  # [n, B, h, S] int32 the step that last selected the slot's chunk
+    k: jax.Array  # [n, B, h, S, chunk * H]
+    v: jax.Array  # [n, B, h, S, chunk * H]
     step: jax.Array  # [n] int32 decode steps seen
     hits: jax.Array  # [n] float32 selected rows served from the cache, summed over steps
     selected: jax.Array  # [n] float32 selected rows, summed over steps
-    fetched: jax.Array  # [n] float32 rows moved host -> device (bucketed transfer sizes), summed
+    fetched: jax.Array  # [n] float32 rows moved host -> device, summed
+    steps: int = flax.struct.field(pytree_node=False, default=0)  # R
 
     @classmethod
     def create(cls, layers: int, selection_shape: tuple[int, int, int, int], steps: int, head_dim: int, dtype):
         """selection_shape: (B, h, c chunks, chunk rows) of the policy's selection."""
         B, h, c, chunk = selection_shape
+        slots = (layers, B, h, steps * c)
         zeros = lambda: jnp.zeros((layers,), jnp.float32)  # a buffer each: the cache is donated
-        return cls(ids=jnp.full((layers, B, h, steps, c), -1, jnp.int32),
-                   k=jnp.zeros((layers, B, h, steps, c, chunk, head_dim), dtype),
-                   v=jnp.zeros((layers, B, h, steps, c, chunk, head_dim), dtype),
-                   step=jnp.zeros((layers,), jnp.int32), hits=zeros(), selected=zeros(), fetched=zeros())
+        return cls(ids=jnp.full(slots, -1, jnp.int32), last_used=jnp.full(slots, -1, jnp.int32),
+                   k=jnp.zeros(slots + (chunk * head_dim,), dtype), v=jnp.zeros(slots + (chunk * head_dim,), dtype),
+                   step=jnp.zeros((layers,), jnp.int32), hits=zeros(), selected=zeros(), fetched=zeros(),
+                   steps=steps)
 
-    @property
-    def steps(self) -> int:
-        return self.ids.shape[3]
+    def place(self, layer, starts, chunks):
+        """Where this step's chunks go, for one layer: starts [B, h, c] first rows, chunks [B, h, c] whether a chunk
+        holds a selected row. Returns (slot [B, h, c] of each chunk (S for none), hit [B, h, c], miss [B, h, c]).
+
+        A chunk hits when a slot holds it and selected it in the last R steps; the k-th miss (in selection order)
+        takes the k-th free slot (no hit of this step in it), least recently used first (R = 1: in slot order, as
+        every free slot is then outside the last step). Comparison matrices ([c, S] and, for R > 1, [S, S] per
+        head) and running counts: on a CPU several times cheaper than sorts, argmaxes or scatters of these small
+        arrays."""
+        at = lambda x: jax.lax.dynamic_index_in_dim(x, layer, keepdims=False)  # noqa: E731
+        ids, last_used, now = at(self.ids), at(self.last_used), at(self.step)
+        S = ids.shape[-1]
+        slots = jnp.arange(S, dtype=jnp.int32)
+        same = ((starts[..., :, None] == ids[..., None, :]) & (last_used >= now - self.steps)[..., None, :]
+                & chunks[..., None])  # [B, h, c, S]
+        hit_slot = jnp.min(jnp.where(same, slots, S), axis=-1)  # S: no slot holds it
+        hit = hit_slot < S
+        taken = jnp.any(same, axis=-2)  # [B, h, S]
+        if self.steps == 1:
+            rank = running_count(~taken) - 1  # free slot s is free number rank[s]
+        else:  # ordered by (last use, slot)
+            key = jnp.where(taken, jnp.iinfo(jnp.int32).max, last_used)
+            before = (key[..., None, :] < key[..., :, None]) | ((key[..., None, :] == key[..., :, None])
+                                                                 & (slots[None, :] < slots[:, None]))
+            rank = jnp.sum(before, axis=-1, dtype=jnp.int32)
+        rank = jnp.where(taken, S, rank)
+        miss = chunks & ~hit
+        # The free slot whose rank is the miss's number among the misses.
+        is_slot = rank[..., None, :] == (running_count(miss) - 1)[..., :, None]  # [B, h, c, S]
+        miss_slot = jnp.sum(jnp.where(is_slot, slots, 0), axis=-1)
+        return jnp.where(hit, hit_slot, jnp.where(miss, miss_slot, S)).astype(jnp.int32), hit, miss
+
+
+def running_count(x: jax.Array) -> jax.Array:
+    """Inclusive running count of the True entries of bool x [..., m] along the last axis, int32: as a product with
+    a triangular matrix (XLA:CPU's cumsum is a reduce-window several times slower at these sizes; exact to 2^24)."""
+    m = x.shape[-1]
+    upper = jnp.arange(m)[:, None] <= jnp.arange(m)[None, :]
+    return jnp.einsum("...i,ij->...j", x.astype(jnp.float32), upper.astype(jnp.float32)).astype(jnp.int32)
 
 
 @flax.struct.dataclass
@@ -187,8 +232,10 @@ class HostKV(KVStore):
         return jax.tree.map(lambda _: "device", self).replace(k=host, v=host)
 
 
-def _miss_buckets(c: int) -> list[int]:
-    return sorted({max(1, c // 8), max(1, c // 4), max(1, c // 2), c})
+def fetch_size(c: int) -> int:
+    """Chunks a selection head fetches from the host per round: a quarter of its selection (at R = 1 about one
+    chunk in five misses), so a typical step moves one round and a first step, all misses, four."""
+    return max(1, -(-c // 4))
 
 
 class HostLayer(LayerView):
@@ -243,70 +290,66 @@ class HostLayer(LayerView):
 
     @jax.named_scope("recall")
     def read(self, selection: Selection):
-        """The selected chunks: recall-cache hits from the device, misses fetched from the host."""
-        rc = self.store.recall
-        at = self.index
-        starts, mask = selection.starts, jnp.any(selection.mask, axis=-1)  # [B, h, c]: chunks holding a token
+        """The selected chunks [B, h, c * chunk, H]: through the recall cache (`RecallCache`: hits stay in their
+        device slots, misses are fetched from the host into free slots, `fetch_size(c)` chunks a round), then read
+        from the slots; without a cache (R = 0), every chunk straight from the host."""
+        rc, at = self.store.recall, self.index
+        starts, chunks = selection.starts, jnp.any(selection.mask, axis=-1)  # [B, h, c]: chunks holding a token
         B, h, c = starts.shape
         chunk, H = selection.chunk, self.store.k.shape[4]
-        R = rc.steps
-        count = lambda a, x: a.at[at].add(x)
-        flat = lambda x: x.reshape(B, h, c * chunk, H)
-        rows_selected = jnp.sum(selection.mask)
-        if R == 0:  # no cache: every selected chunk crosses
-            k, v = self.host_gather(starts, chunk, selection.aligned)
-            rc = rc.replace(step=count(rc.step, 1), selected=count(rc.selected, rows_selected),
+        count = lambda a, x: a.at[at].add(x)  # noqa: E731
+        selected = jnp.sum(selection.mask)
+        if rc.steps == 0:
+            k, v = (x.reshape(B, h, c * chunk, H) for x in self.host_gather(starts, chunk, selection.aligned))
+            rc = rc.replace(step=count(rc.step, 1), selected=count(rc.selected, selected),
                             fetched=count(rc.fetched, float(B * h * c * chunk)))
-            return flat(k), flat(v), HostLayer(self.store.replace(recall=rc), at, self.positions)
-        layer_of = lambda x: jax.lax.dynamic_index_in_dim(x, at, keepdims=False)
-        # Look each chunk up among the R·c cached ones: one comparison matrix [B, h, c, R·c] (a few thousand
-        # compares per head; cheaper on a CPU than a sort and a binary search).
-        cached = layer_of(rc.ids).reshape(B, h, R * c)
-        same = starts[..., :, None] == cached[..., None, :]
-        hit = jnp.any(same, axis=-1) & mask  # [B, h, c]
-        where_cached = jnp.argmax(same, axis=-1)  # its place in the cache (0 when missed)
-        # Whole chunks per index (a per-element take_along_axis is several times slower on XLA:CPU).
-        take = jax.vmap(jax.vmap(lambda a, i: jnp.take(a, i, axis=0, mode="clip")))
-        cached_k = take(layer_of(rc.k).reshape(B, h, R * c, chunk, H), where_cached)
-        cached_v = take(layer_of(rc.v).reshape(B, h, R * c, chunk, H), where_cached)
+            return k, v, selection.flat_mask(), HostLayer(self.store.replace(recall=rc), at, self.positions)
 
-        # Misses first (stable), then fetch only as many chunks as the fullest head needs, rounded up to a bucket;
-        # each missed slot takes its fetched chunk, every other slot its cached one.
-        miss = mask & ~hit
-        miss_first = jnp.argsort(~miss, axis=-1, stable=True)  # [B, h, c]
-        miss_starts = jnp.take_along_axis(starts, miss_first, axis=-1)
-        buckets = _miss_buckets(c)
-        most = jnp.max(jnp.sum(miss, axis=-1))
-        bucket = jnp.sum(jnp.array(buckets[:-1]) < most)  # index of the smallest bucket holding `most`
+        slot, hit, miss = rc.place(at, starts, chunks)
+        # The misses packed first, in selection order (the i-th miss: its start and slot); past the last miss, slot
+        # S (the write is dropped).
+        S, n = rc.ids.shape[-1], fetch_size(c)
+        packed = jnp.arange(-(-c // n) * n, dtype=jnp.int32)
+        is_ith = miss[..., :, None] & ((running_count(miss) - 1)[..., :, None] == packed)  # [B, h, c, rounds * n]
+        miss_starts = jnp.sum(jnp.where(is_ith, starts[..., None], 0), axis=-2)
+        miss_slots = jnp.where(jnp.any(is_ith, axis=-2), jnp.sum(jnp.where(is_ith, slot[..., None], 0), axis=-2), S)
 
-        # Slot j's place among the misses (fetched in slot order): its rows come from there when j missed.
-        miss_rank = jnp.cumsum(miss, axis=-1, dtype=jnp.int32) - 1  # [B, h, c]
+        def fetch_round(r, kv):  # round r: misses [r * n, (r + 1) * n) of every head, host -> their slots
+            k_slots, v_slots = kv
+            round_of = lambda x: jax.lax.dynamic_slice_in_dim(x, r * n, n, axis=-1)  # noqa: E731
+            k, v = self.host_gather(round_of(miss_starts), chunk, selection.aligned)  # [B, h, n, chunk, H]
+            where = row_index(round_of(miss_slots), at)
+            return (scatter_rows(k_slots, where, k.reshape(B, h, n, chunk * H)),
+                    scatter_rows(v_slots, where, v.reshape(B, h, n, chunk * H)))
 
-        def fetch(n):
-            def run(kv):
-                k, v = self.host_gather(miss_starts[..., :n], chunk, selection.aligned)  # [B, h, n, chunk, H]
-                # A select between two chunk gathers, not an in-place scatter into the cached rows (the switch's
-                # operands): XLA:CPU copies operands a branch updates, and scatters element by element.
-                source = jnp.clip(miss_rank, 0, n - 1)
-                fill = lambda cached, got: jnp.where(  # noqa: E731
-                    miss[..., None, None], take(got.astype(cached.dtype), source), cached)
-                return fill(kv[0], k), fill(kv[1], v), jnp.float32(B * h * n * chunk)
-            return run
-
-        k, v, moved = jax.lax.switch(bucket, [fetch(n) for n in buckets], (cached_k, cached_v))
-        slot = layer_of(rc.step) % R
-
-        def put(a, x):  # this layer's slot `slot` of the cache <- x, one in-place update
-            index = tuple(jnp.asarray(i, jnp.int32) for i in (at, 0, 0, slot) + (0,) * (a.ndim - 4))
-            return jax.lax.dynamic_update_slice(a, x.astype(a.dtype)[None, :, :, None], index)
-
-        hit_rows = jnp.sum(jnp.where(hit[..., None], selection.mask, False))
+        # As many rounds as the head with the most misses needs (none when everything hits); a while loop, so the
+        # slots are written in place.
+        needed = -(-jnp.max(jnp.sum(miss, axis=-1)) // n)
+        k_slots, v_slots = jax.lax.fori_loop(0, needed, fetch_round, (rc.k, rc.v))
+        new = slot < S  # [B, h, c] chunks that now sit in a slot
+        where = row_index(slot, at)
+        keep_new = lambda a, x: scatter_rows(a[..., None], where, x[..., None])[..., 0]  # noqa: E731
+        now = jax.lax.dynamic_index_in_dim(rc.step, at)
         rc = rc.replace(
-            ids=put(rc.ids, jnp.where(mask, starts, -1)), k=put(rc.k, k), v=put(rc.v, v),
-            step=count(rc.step, 1), hits=count(rc.hits, hit_rows), selected=count(rc.selected, rows_selected),
-            fetched=count(rc.fetched, moved),
+            k=k_slots, v=v_slots,
+            ids=keep_new(rc.ids, jnp.where(new, starts, -1)),
+            last_used=keep_new(rc.last_used, jnp.broadcast_to(now, slot.shape)),
+            step=count(rc.step, 1), selected=count(rc.selected, selected),
+            hits=count(rc.hits, jnp.sum(jnp.where(hit[..., None], selection.mask, False))),
+            fetched=count(rc.fetched, (needed * B * h * n * chunk).astype(jnp.float32)),
         )
-        return flat(k), flat(v), HostLayer(self.store.replace(recall=rc), at, self.positions)
+        view = HostLayer(self.store.replace(recall=rc), at, self.positions)
+        layer_of = lambda x: jax.lax.dynamic_index_in_dim(x, at, keepdims=False)  # noqa: E731
+        if rc.steps == 1:
+            # The slots hold exactly this step's chunks (c slots): read them whole, in slot order, one contiguous
+            # slice each instead of a gather, with the selection's row mask moved to the slots.
+            to_slots = lambda m, i: jnp.zeros_like(m).at[i].set(m, mode="drop")  # noqa: E731
+            mask = jax.vmap(jax.vmap(to_slots))(selection.mask, slot)  # [B, h, S, chunk]
+            k, v = (layer_of(x).reshape(B, h, S * chunk, H) for x in (k_slots, v_slots))
+            return k, v, mask.reshape(B, h, S * chunk), view
+        # R > 1: the selected slots, in selection order (an unselected chunk reads a clamped slot: masked).
+        k, v = (gather_rows(x, where).reshape(B, h, c * chunk, H) for x in (k_slots, v_slots))
+        return k, v, selection.flat_mask(), view
 
 
 def hit_rates(cache) -> list[float | None]:

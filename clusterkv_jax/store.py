@@ -19,8 +19,12 @@ The protocol (`layer` is the layer's index inside the group, a traced int):
                                                 (`ops.row_index`: layer, row; out of range: dropped)
     view = store.layer(layer)                   one layer, as attention reads it:
         view.keys(), view.values()              [B, K, R, H] every row, on the device
-        view.read(selection) -> (k, v, view)    rows [B, h, n * chunk, H] of a `Selection` (h = N query heads,
-                                                query head n reading KV head n // G; or h = K)
+        view.read(selection) -> (k, v, mask, view)
+                                                rows [B, h, M, H] holding a `Selection`'s rows (h = N query heads,
+                                                query head n reading KV head n // G; or h = K), mask [B, h, M] the
+                                                rows that hold a selected token: the selection's own rows in its
+                                                order (M = n * chunk), or, from a host store's recall cache, its
+                                                slots in their order (attention does not care about the order)
         view.window(rows) -> (k, v)             rows [B, K, W, H] at rows [B, W] of the unindexed window (the
                                                 same rows for every KV head)
         view.ring(W) -> (k, v)                  rows [0, W) [B, K, W, H]: a window kept as a ring (row = position
@@ -44,9 +48,15 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from clusterkv_jax.ops import gather_rows, per_kv_head, row_index, scatter_rows
+from clusterkv_jax.attention import selection_and_window_attention
+from clusterkv_jax.ops import gather_pair_rows, gather_rows, per_kv_head, row_index, scatter_rows
 from pallas_kernels.selected_attention import selected_attention
 from pallas_kernels.selected_attention_tpu import selected_attention_tpu
+
+
+#: A tile of `DeviceLayer.attend_tiled`: the K and V rows gathered at once, kept well inside a CPU's last-level cache
+#: (measured on a 32 MB L3: 4 and 8 MB tiles gain alike, 12-16 MB ones lose; RESULTS.md).
+GATHER_TILE_BYTES = 8 << 20
 
 
 @flax.struct.dataclass
@@ -192,7 +202,7 @@ class DeviceLayer(LayerView):
         c = selection.chunk
         k, v = (gather_rows(x, index, chunk=c, aligned=selection.aligned).reshape(B, h, n * c, H)
                 for x in (self.store.k, self.store.v))
-        return k, v, self
+        return k, v, selection.flat_mask(), self
 
     def window(self, rows):
         B, W = rows.shape
@@ -201,6 +211,47 @@ class DeviceLayer(LayerView):
 
     def ring(self, window: int):
         return self.keys()[:, :, :window], self.values()[:, :, :window]
+
+    def tiles_for(self, selection: Selection) -> int:
+        """How many tiles of (sequence, KV head) pairs `attend_tiled` splits a selection's rows into: 1 while the
+        gathered K and V fit in two tiles (`GATHER_TILE_BYTES`: there the loop costs more than it saves), else the
+        fewest (a divisor of B·K) that keep a tile within one."""
+        L, B, K, R, H = self.store.k.shape
+        rows = selection.starts.shape[1] * selection.starts.shape[2] * selection.chunk  # per sequence
+        total = 2 * B * rows * H * self.store.k.dtype.itemsize
+        if total <= 2 * GATHER_TILE_BYTES:
+            return 1
+        return next(d for d in range(1, B * K + 1) if (B * K) % d == 0 and (total <= d * GATHER_TILE_BYTES
+                                                                            or d == B * K))
+
+    def attend_tiled(self, q, selection: Selection, window: int, window_mask):
+        """`attention.selection_and_window_attention` over `read` and `ring`, a tile of (sequence, KV head) pairs at
+        a time (`tiles_for`, a `lax.map`): q [B, N, H] -> [B, N, H] float32. XLA:CPU cannot read gathered rows
+        inside the score product: `read` writes them out and the product reads them back. All heads' rows at once
+        (Llama-3-8B geometry, per query head, 8k: 44 MB) make that round trip through memory; a tile's stay in
+        the cache between the two (one layer's step 3.3 -> 2.5 ms; RESULTS.md)."""
+        L, B, K, R, H = self.store.k.shape
+        N, h, c = q.shape[1], selection.starts.shape[1], selection.chunk
+        tiles = self.tiles_for(selection)
+        p = B * K // tiles  # pairs a tile
+        tiled = lambda x: x.reshape((tiles, p, -1) + x.shape[2:])  # noqa: E731  [tiles, p, h/K (or G), ...]
+        qs, starts, mask = tiled(q), tiled(selection.starts), tiled(selection.flat_mask())
+        w_masks = jnp.repeat(window_mask, K, axis=0).reshape(tiles, p, -1) if window else jnp.zeros((tiles, p, 0), bool)
+        as_pairs = lambda x: x.reshape(L, B * K, R, H)  # noqa: E731  (a view)
+
+        def one_tile(args):
+            t, q_t, starts_t, mask_t, w_mask = args  # [p, G, H], [p, h/K, n], [p, h/K, n * c], [p, W]
+            pairs = t * p + jnp.arange(p, dtype=jnp.int32)
+            rows = lambda x: gather_pair_rows(  # noqa: E731
+                as_pairs(x), self.index, pairs, starts_t.reshape(p, -1), c, selection.aligned).reshape(p, h // K, -1, H)
+            ring = lambda x: jax.lax.dynamic_slice(  # noqa: E731
+                as_pairs(x), (self.index, t * p, 0, 0), (1, p, window, H))[0][:, None]  # [p, 1, W, H]
+            k_win, v_win = (ring(self.store.k), ring(self.store.v)) if window else (None, None)
+            return selection_and_window_attention(q_t, rows(self.store.k), rows(self.store.v), mask_t, k_win, v_win,
+                                                  w_mask if window else None)
+
+        out = jax.lax.map(one_tile, (jnp.arange(tiles, dtype=jnp.int32), qs, starts, mask, w_masks))
+        return out.reshape(B, N, H)
 
     def attend_in_place(self, q, selection: Selection, window: int, window_mask, *, kernel: str):
         """One softmax over each head's selection and (window > 0) the ring of rows [0, window), read where they

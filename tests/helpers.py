@@ -4,10 +4,25 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRIDE_AND_PREJUDICE = os.path.join(REPO_ROOT, "..", "shared", "data", "pride_and_prejudice.txt")
+
+
+def assert_same_rows(got, got_mask, want, want_mask):
+    """The rows a store read returned, got [B, h, M, H] where got_mask [B, h, M], hold per (sequence, head) the
+    same rows as want [B, h, M', H] where want_mask: as multisets, since a read may return its rows in any order
+    (a host store's recall cache returns them in slot order; attention does not care)."""
+    got, want = np.asarray(got), np.asarray(want)
+    got_mask, want_mask = np.asarray(got_mask, bool), np.asarray(want_mask, bool)
+    assert got.shape[:2] == want.shape[:2]
+    for b in range(got.shape[0]):
+        for h in range(got.shape[1]):
+            a, w = got[b, h][got_mask[b, h]], want[b, h][want_mask[b, h]]
+            assert a.shape == w.shape, (b, h, a.shape, w.shape)
+            np.testing.assert_array_equal(a[np.lexsort(a.T[::-1])], w[np.lexsort(w.T[::-1])])
 
 
 def long_text() -> str:

@@ -119,8 +119,8 @@ def main(out_path: str) -> None:
         "clusterkv.row_positions": (ps.row_positions, named(None, "data", "model", None)),
         "clusterkv.clustered_upto": (ps.clustered_upto, named(None, "data")),
         "offload.ring_k": (host.ring_k, named(None, "data", "model", None, None)),
-        "offload.cache_ids": (host.recall.ids, named(None, "data", "model", None, None)),  # [n, B, h, R, c]
-        "offload.cache_k": (host.recall.k, named(None, "data", "model", None, None, None, None)),
+        "offload.cache_ids": (host.recall.ids, named(None, "data", "model", None)),  # [n, B, h, R * c]
+        "offload.cache_k": (host.recall.k, named(None, "data", "model", None, None)),  # [n, B, h, R * c, chunk * H]
         "offload.step": (host.recall.step, named()),
         "fullkv.k": (caches["full"].groups[0].store.k, kv),
     }

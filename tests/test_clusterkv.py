@@ -328,7 +328,7 @@ def test_selection_and_window_attention_matches_numpy(per_query_head):
     w_mask = rng.random((B, W)) < 0.6
     w_mask[:, 0] = True  # every head attends at least one row
     view = DeviceKV(k=jnp.asarray(keys)[None], v=jnp.asarray(values)[None]).layer(jnp.int32(0))
-    k_sel, v_sel, _ = view.read(Selection.of_rows(jnp.asarray(idx), jnp.asarray(mask)))
+    k_sel, v_sel, _, _ = view.read(Selection.of_rows(jnp.asarray(idx), jnp.asarray(mask)))
     k_win, v_win = view.window(jnp.asarray(w_idx))
     got = np.asarray(selection_and_window_attention(q, k_sel, v_sel, mask, k_win, v_win, w_mask))
     want = np.zeros((B, N, H), np.float32)
@@ -372,6 +372,18 @@ def test_attend_in_place_matches_numpy(per_query_head, chunk, W, kernel, monkeyp
     assert view.can_attend_in_place(selection, W)
     got = np.asarray(view.attend_in_place(jnp.asarray(q), selection, W, jnp.asarray(w_mask) if W else None,
                                           kernel=kernel))
+    want = _selected_attention_numpy(q, keys[layer], values[layer], starts, mask, w_mask, W, per_query_head)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert not view.can_attend_in_place(Selection(starts=selection.starts, mask=selection.mask[..., :1], chunk=1), W)
+
+
+def _selected_attention_numpy(q, keys, values, starts, mask, w_mask, W, per_query_head):
+    """Each query head over its selected chunks (starts [B, h, n], mask [B, h, n, chunk]) and the ring rows [0, W)
+    of its KV head where w_mask, one softmax, from one layer's keys and values [B, K, S, H]: a loop per head (zeros
+    for a head that attends nothing)."""
+    B, N, H = q.shape
+    K, chunk = keys.shape[1], mask.shape[-1]
+    G = N // K
     want = np.zeros((B, N, H), np.float32)
     for b in range(B):
         for i in range(N):
@@ -379,11 +391,67 @@ def test_attend_in_place_matches_numpy(per_query_head, chunk, W, kernel, monkeyp
             rows = [int(st_) + r for st_, m in zip(starts[b, sel], mask[b, sel]) for r in range(chunk) if m[r]]
             rows += [r for r in range(W) if w_mask[b, r]]
             if rows:
-                s_ = keys[layer, b, kv, rows] @ q[b, i] / np.sqrt(H)
+                s_ = keys[b, kv, rows] @ q[b, i] / np.sqrt(H)
                 p = np.exp(s_ - s_.max())
-                want[b, i] = (p / p.sum()) @ values[layer, b, kv, rows]
+                want[b, i] = (p / p.sum()) @ values[b, kv, rows]
+    return want
+
+
+@pytest.mark.parametrize("per_query_head, chunk, W, aligned, B", [
+    (True, 4, 8, True, 2), (False, 4, 8, True, 3), (True, 8, 0, True, 2), (True, 1, 4, False, 2), (True, 4, 8, False, 1)])
+def test_attend_tiled_matches_numpy(per_query_head, chunk, W, aligned, B, monkeypatch):
+    """Reading and attending a tile of (sequence, KV head) pairs at a time (`DeviceLayer.attend_tiled`, what a
+    CPU runs when the selected rows outgrow its cache; tiles forced small here) from a layer of a multi-layer
+    store, against the NumPy loop per head, and equal to the untiled read and attention."""
+    from clusterkv_jax import store as store_module
+    from clusterkv_jax.attention import selection_and_window_attention
+    from clusterkv_jax.store import DeviceKV, Selection
+
+    rng = np.random.default_rng(chunk + W + B)
+    L, N, K, S, H, n = 3, 6, 2, 64, 16, 5
+    layer = 2
+    q = rng.normal(size=(B, N, H)).astype(np.float32)
+    keys, values = rng.normal(size=(2, L, B, K, S, H)).astype(np.float32)
+    h = N if per_query_head else K
+    starts = rng.integers(max(W, chunk) // chunk, S // chunk, (B, h, n)).astype(np.int32) * chunk
+    if not aligned:
+        starts = rng.integers(W, S - chunk + 1, (B, h, n)).astype(np.int32)
+    mask = rng.random((B, h, n, chunk)) < 0.7
+    mask[0, 0, :, 0] = True  # every head attends something
+    w_mask = rng.random((B, W)) < 0.6
+    view = DeviceKV(k=jnp.asarray(keys), v=jnp.asarray(values)).layer(jnp.int32(layer))
+    selection = Selection(starts=jnp.asarray(starts), mask=jnp.asarray(mask), chunk=chunk, aligned=aligned)
+    assert view.tiles_for(selection) == 1, "rows this small stay in one piece"
+    monkeypatch.setattr(store_module, "GATHER_TILE_BYTES", 1)  # every (sequence, KV head) pair a tile of its own
+    assert view.tiles_for(selection) == B * K
+    got = np.asarray(jax.jit(lambda q_, sel, wm: view.attend_tiled(q_, sel, W, wm if W else None))(
+        jnp.asarray(q), selection, jnp.asarray(w_mask)))
+    want = _selected_attention_numpy(q, keys[layer], values[layer], starts, mask, w_mask, W, per_query_head)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    assert not view.can_attend_in_place(Selection(starts=selection.starts, mask=selection.mask[..., :1], chunk=1), W)
+    k_sel, v_sel, sel_mask, _ = view.read(selection)
+    k_win, v_win = view.ring(W) if W else (None, None)
+    untiled = selection_and_window_attention(jnp.asarray(q), k_sel, v_sel, sel_mask, k_win, v_win,
+                                             jnp.asarray(w_mask) if W else None)
+    np.testing.assert_allclose(got, np.asarray(untiled), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("gqa", ["per_head", "shared"])
+def test_decode_attends_tiled_where_rows_outgrow_a_tile(gqa, monkeypatch):
+    """ClusterKV's decode step takes the tiled path when its selected rows outgrow two tiles (forced here with a
+    tiny tile), and decodes exactly as the untiled path does (decode-time clustering included)."""
+    from clusterkv_jax import store as store_module
+
+    policy = ClusterKV(budget=48, gqa=gqa, **SMALL)
+    untiled, _ = run(policy, TOKENS, LENGTHS, steps=20)
+    calls = []
+    monkeypatch.setattr(store_module, "GATHER_TILE_BYTES", 64)
+    real = store_module.DeviceLayer.attend_tiled
+    monkeypatch.setattr(store_module.DeviceLayer, "attend_tiled", lambda self, *a: calls.append(1) or real(self, *a))
+    jax.clear_caches()  # trace again: the compiled steps above took the untiled path
+    tiled, _ = run(policy, TOKENS, LENGTHS, steps=20)
+    jax.clear_caches()
+    assert calls, "the tiled path ran"
+    np.testing.assert_allclose(tiled, untiled, rtol=0, atol=2e-6)
 
 
 @given(W=st.integers(1, 12), start=st.integers(0, 60), count=st.integers(0, 12), capacity=st.integers(1, 80))

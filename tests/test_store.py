@@ -12,6 +12,7 @@ import pytest
 from clusterkv_jax.attention import causal_attention
 from clusterkv_jax.offload import HostKV, to_device
 from clusterkv_jax.store import DeviceKV, Selection
+from tests.helpers import assert_same_rows
 
 n, B, K, S, H, W = 2, 2, 2, 24, 4, 6
 
@@ -53,11 +54,11 @@ def test_store_protocol_against_numpy(placement):
     idx = rng.integers(0, T + 3, (B, 2 * K, 5)).astype(np.int32)
     idx[0, 0, 0] = S + 7  # clamped to S - 1
     mask = rng.random((B, 2 * K, 5)) < 0.8
-    k_sel, v_sel = jax.jit(lambda s, i, m: view(s).read(Selection.of_rows(i, m))[:2])(store, idx, mask)
+    k_sel, v_sel, got_mask = jax.jit(lambda s, i, m: view(s).read(Selection.of_rows(i, m))[:3])(store, idx, mask)
     kv_head = (np.arange(2 * K) // 2)[None, :, None]
     clamped = np.minimum(idx, S - 1)
-    np.testing.assert_array_equal(np.asarray(k_sel)[mask], want_k[1, np.arange(B)[:, None, None], kv_head, clamped][mask])
-    np.testing.assert_array_equal(np.asarray(v_sel)[mask], want_v[1, np.arange(B)[:, None, None], kv_head, clamped][mask])
+    assert_same_rows(k_sel, got_mask, want_k[1, np.arange(B)[:, None, None], kv_head, clamped], mask)
+    assert_same_rows(v_sel, got_mask, want_v[1, np.arange(B)[:, None, None], kv_head, clamped], mask)
 
     # The window: the last W tokens written (HostKV serves them from its device ring).
     w_idx = np.array([[T, T + 1, T + 2, T + 3], [T, T + 1, T + 2, T + 2]], np.int32)
@@ -87,8 +88,8 @@ def test_chunks_layers_and_window_commits_against_numpy(placement, aligned):
     store = jax.jit(lambda s, k, v: s.write_layer(jnp.int32(0), k, v))(store, want_k, want_v)
     view = lambda s: s.layer(jnp.int32(0))  # noqa: E731
     def read_selection(s, st, m):
-        k, v, after = view(s).read(Selection(starts=st, mask=m, chunk=chunk, aligned=aligned))
-        return k, v, after.store
+        k, v, got_mask, after = view(s).read(Selection(starts=st, mask=m, chunk=chunk, aligned=aligned))
+        return k, v, got_mask, after.store
 
     read = jax.jit(read_selection)
     for step in range(3):  # the recall cache sees repeated chunks
@@ -96,14 +97,11 @@ def test_chunks_layers_and_window_commits_against_numpy(placement, aligned):
         if aligned:
             starts = starts // chunk * chunk
         mask = rng.random((B, K, c, chunk)) < 0.8
-        k_sel, v_sel, store = read(store, starts, mask)
-        rows = starts[..., None] + np.arange(chunk)
-        got_k = np.asarray(k_sel).reshape(B, K, c, chunk, H)
-        expect = np.take_along_axis(want_k, rows.reshape(B, K, c * chunk)[..., None], axis=2).reshape(got_k.shape)
-        np.testing.assert_array_equal(got_k[mask], expect[mask])
-        expect_v = np.take_along_axis(want_v, rows.reshape(B, K, c * chunk)[..., None], axis=2)
-        np.testing.assert_array_equal(np.asarray(v_sel).reshape(got_k.shape)[mask],
-                                      expect_v.reshape(got_k.shape)[mask])
+        k_sel, v_sel, got_mask, store = read(store, starts, mask)
+        rows = (starts[..., None] + np.arange(chunk)).reshape(B, K, c * chunk)
+        flat_mask = mask.reshape(B, K, c * chunk)
+        assert_same_rows(k_sel, got_mask, np.take_along_axis(want_k, rows[..., None], axis=2), flat_mask)
+        assert_same_rows(v_sel, got_mask, np.take_along_axis(want_v, rows[..., None], axis=2), flat_mask)
     # The window: tokens written at rows 3..6, then copied to rows dest (row S: out of range, dropped).
     for t, row in enumerate(range(3, 7)):
         k, v = rng.normal(size=(2, B, K, H)).astype(np.float32)

@@ -203,6 +203,13 @@ class KVPolicy:
                 and (not window or self.ring_window) and kv.can_attend_in_place(selection, window)
                 and multi_device_axes() is None)
 
+    def _attends_tiled(self, kv, selection: Selection, window: int) -> bool:
+        """Off the kernel path, a device store whose selected rows outgrow one tile (`DeviceLayer.tiles_for`), a
+        ring window (or none), no multi-device mesh: read and attend a tile of (sequence, KV head) pairs at a
+        time (`DeviceLayer.attend_tiled`)."""
+        return (hasattr(kv, "attend_tiled") and (not window or self.ring_window) and multi_device_axes() is None
+                and kv.tiles_for(selection) > 1)
+
     def decode_attention(self, state: Any, q: jax.Array, kv, lengths: jax.Array, prompt_lengths: jax.Array):
         """One layer's decode attention over the selection and the window, from the store view `kv` (this
         layer, the new token's row written). Returns (output [B, N, H] float32, state, kv)."""
@@ -219,7 +226,13 @@ class KVPolicy:
                 w_mask = ring_window_mask(lengths, start, W, kv.positions) if W else None
                 out = kv.attend_in_place(q, selection, W, w_mask, kernel=self.kernel)
             return out, state, kv
-        k_sel, v_sel, kv = kv.read(selection)
+        if self._attends_tiled(kv, selection, W):
+            with jax.named_scope("attend"):
+                start = self.window_start(state, lengths, prompt_lengths)
+                w_mask = ring_window_mask(lengths, start, W, kv.positions) if W else None
+                out = kv.attend_tiled(q, selection, W, w_mask)
+            return out, state, kv
+        k_sel, v_sel, sel_mask, kv = kv.read(selection)
         k_win = v_win = w_mask = None
         if W:
             start = self.window_start(state, lengths, prompt_lengths)
@@ -231,7 +244,7 @@ class KVPolicy:
                     positions, w_mask = recent_window(lengths, start, W)
                     k_win, v_win = kv.window(self.token_rows(state, positions, kv.positions))
         with jax.named_scope("attend"):
-            out = selection_and_window_attention(q, k_sel, v_sel, selection.flat_mask(), k_win, v_win, w_mask)
+            out = selection_and_window_attention(q, k_sel, v_sel, sel_mask, k_win, v_win, w_mask)
         return out, state, kv
 
 
