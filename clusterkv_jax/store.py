@@ -250,7 +250,8 @@ class DeviceLayer(LayerView):
             return selection_and_window_attention(q_t, rows(self.store.k), rows(self.store.v), mask_t, k_win, v_win,
                                                   w_mask if window else None)
 
-        out = jax.lax.map(one_tile, (jnp.arange(tiles, dtype=jnp.int32), qs, starts, mask, w_masks))
+        with jax.named_scope("attend_tiled"):
+            out = jax.lax.map(one_tile, (jnp.arange(tiles, dtype=jnp.int32), qs, starts, mask, w_masks))
         return out.reshape(B, N, H)
 
     def attend_in_place(self, q, selection: Selection, window: int, window_mask, *, kernel: str):

@@ -435,8 +435,16 @@ def test_attend_tiled_matches_numpy(per_query_head, chunk, W, aligned, B, monkey
     np.testing.assert_allclose(got, np.asarray(untiled), rtol=1e-6, atol=1e-6)
 
 
+@pytest.fixture
+def fresh_traces():
+    """Traces made inside the test (under monkeypatched module constants) are dropped before and after it."""
+    jax.clear_caches()
+    yield
+    jax.clear_caches()
+
+
 @pytest.mark.parametrize("gqa", ["per_head", "shared"])
-def test_decode_attends_tiled_where_rows_outgrow_a_tile(gqa, monkeypatch):
+def test_decode_attends_tiled_where_rows_outgrow_a_tile(gqa, monkeypatch, fresh_traces):
     """ClusterKV's decode step takes the tiled path when its selected rows outgrow two tiles (forced here with a
     tiny tile), and decodes exactly as the untiled path does (decode-time clustering included)."""
     from clusterkv_jax import store as store_module
@@ -449,9 +457,13 @@ def test_decode_attends_tiled_where_rows_outgrow_a_tile(gqa, monkeypatch):
     monkeypatch.setattr(store_module.DeviceLayer, "attend_tiled", lambda self, *a: calls.append(1) or real(self, *a))
     jax.clear_caches()  # trace again: the compiled steps above took the untiled path
     tiled, _ = run(policy, TOKENS, LENGTHS, steps=20)
-    jax.clear_caches()
     assert calls, "the tiled path ran"
     np.testing.assert_allclose(tiled, untiled, rtol=0, atol=2e-6)
+    # Tiles are the CPU's: lowered for CUDA, the same step gathers every head's rows at once.
+    cache = init_cache(CFG, policy, 3, 448, jnp.float32)
+    step = decode_step.trace(PARAMS, jnp.zeros((3,), jnp.int32), cache, config=CFG, policy=policy)
+    text = lambda platform: step.lower(lowering_platforms=(platform,)).as_text(debug_info=True)  # noqa: E731
+    assert "attend_tiled" in text("cpu") and "attend_tiled" not in text("cuda")
 
 
 @given(W=st.integers(1, 12), start=st.integers(0, 60), count=st.integers(0, 12), capacity=st.integers(1, 80))

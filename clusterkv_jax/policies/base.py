@@ -204,9 +204,9 @@ class KVPolicy:
                 and multi_device_axes() is None)
 
     def _attends_tiled(self, kv, selection: Selection, window: int) -> bool:
-        """Off the kernel path, a device store whose selected rows outgrow one tile (`DeviceLayer.tiles_for`), a
-        ring window (or none), no multi-device mesh: read and attend a tile of (sequence, KV head) pairs at a
-        time (`DeviceLayer.attend_tiled`)."""
+        """Off the kernel path, a device store whose selected rows outgrow two tiles (`DeviceLayer.tiles_for`), a
+        ring window (or none), no multi-device mesh: on the CPU, read and attend a tile of (sequence, KV head)
+        pairs at a time (`DeviceLayer.attend_tiled`)."""
         return (hasattr(kv, "attend_tiled") and (not window or self.ring_window) and multi_device_axes() is None
                 and kv.tiles_for(selection) > 1)
 
@@ -220,31 +220,31 @@ class KVPolicy:
             keys = kv.keys() if self.reads_all_keys else None
             selection = as_selection(self.select(state, q, keys, lengths, prompt_lengths))
         W = self.window_size(kv.positions)
+        start = self.window_start(state, lengths, prompt_lengths) if W else None
+        ring_mask = ring_window_mask(lengths, start, W, kv.positions) if W and self.ring_window else None
         if self._attends_in_place(kv, selection, W):
             with jax.named_scope("attend"):
-                start = self.window_start(state, lengths, prompt_lengths)
-                w_mask = ring_window_mask(lengths, start, W, kv.positions) if W else None
-                out = kv.attend_in_place(q, selection, W, w_mask, kernel=self.kernel)
-            return out, state, kv
-        if self._attends_tiled(kv, selection, W):
+                return kv.attend_in_place(q, selection, W, ring_mask, kernel=self.kernel), state, kv
+
+        def gathered(kv):  # read the selected rows and the window's, then one softmax over both
+            k_sel, v_sel, sel_mask, kv = kv.read(selection)
+            k_win = v_win = w_mask = None
+            if W:
+                with jax.named_scope("window"):
+                    if self.ring_window:
+                        (k_win, v_win), w_mask = kv.ring(W), ring_mask
+                    else:
+                        positions, w_mask = recent_window(lengths, start, W)
+                        k_win, v_win = kv.window(self.token_rows(state, positions, kv.positions))
             with jax.named_scope("attend"):
-                start = self.window_start(state, lengths, prompt_lengths)
-                w_mask = ring_window_mask(lengths, start, W, kv.positions) if W else None
-                out = kv.attend_tiled(q, selection, W, w_mask)
+                return selection_and_window_attention(q, k_sel, v_sel, sel_mask, k_win, v_win, w_mask), kv
+
+        if self._attends_tiled(kv, selection, W):
+            # A platform choice at lowering: tiles are for a CPU's cache; elsewhere a loop only serializes the work.
+            out = jax.lax.platform_dependent(cpu=lambda: kv.attend_tiled(q, selection, W, ring_mask),
+                                             default=lambda: gathered(kv)[0])
             return out, state, kv
-        k_sel, v_sel, sel_mask, kv = kv.read(selection)
-        k_win = v_win = w_mask = None
-        if W:
-            start = self.window_start(state, lengths, prompt_lengths)
-            with jax.named_scope("window"):
-                if self.ring_window:
-                    k_win, v_win = kv.ring(W)
-                    w_mask = ring_window_mask(lengths, start, W, kv.positions)
-                else:
-                    positions, w_mask = recent_window(lengths, start, W)
-                    k_win, v_win = kv.window(self.token_rows(state, positions, kv.positions))
-        with jax.named_scope("attend"):
-            out = selection_and_window_attention(q, k_sel, v_sel, sel_mask, k_win, v_win, w_mask)
+        out, kv = gathered(kv)
         return out, state, kv
 
 
