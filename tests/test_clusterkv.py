@@ -70,6 +70,25 @@ def _members(state, b, h, block_size=16):
     return {c: set(pos[first[c] * block_size: first[c] * block_size + sizes[c]].tolist()) for c in np.flatnonzero(sizes)}
 
 
+def test_layout_sort_by_one_key_equals_the_stable_argsort(monkeypatch):
+    """`_layout_rows` sorts label·n + offset as one int32 key; past int32 it falls back to a stable argsort of the
+    labels: both give the same order and rows (ragged labels, unclustered keys at label C)."""
+    from clusterkv_jax.policies import clusterkv as module
+
+    rng = np.random.default_rng(11)
+    C, n, bs = 7, 50, 4
+    labels = jnp.asarray(rng.integers(0, C + 1, (2, 3, n)), jnp.int32)
+    sizes = jnp.sum(labels[..., None] == jnp.arange(C), axis=-2).astype(jnp.int32)
+    block_start = 3 + jnp.cumsum(-(-sizes // bs), axis=-1) - (-(-sizes // bs))
+    one_key = module._layout_rows(labels, sizes, block_start, bs, C)
+    monkeypatch.setattr(module, "_SORT_KEY_LIMIT", 0)
+    argsorted = module._layout_rows(labels, sizes, block_start, bs, C)
+    want_order = np.argsort(np.asarray(labels), axis=-1, kind="stable")
+    for got in (one_key, argsorted):
+        np.testing.assert_array_equal(np.asarray(got[0]), want_order)
+    np.testing.assert_array_equal(np.asarray(one_key[1]), np.asarray(argsorted[1]))
+
+
 def test_clusters_partition_the_prompt_past_the_sinks():
     policy = ClusterKV(budget=64, **SMALL)
     _, cache = run(policy, TOKENS, LENGTHS, steps=0)

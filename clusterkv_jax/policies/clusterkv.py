@@ -130,12 +130,23 @@ def rank_and_index(
     return jax.lax.cond(jnp.all(fills), lambda: index(top_sizes, top_starts), lambda: index(*ranked(every)))
 
 
+_SORT_KEY_LIMIT = 2**31  # label·n + offset must fit an int32 for the one-key sort of `_layout_rows`
+
+
 def _layout_rows(labels, sizes, block_start, block_size: int, num_clusters: int):
     """Store rows of clustered tokens: labels [B, K, n] (>= num_clusters: not clustered), sizes and block_start
     [B, K, num_clusters] -> (order [B, K, n] token offsets grouped by cluster, in position order within a
     cluster; rows [B, K, n] the row of token order[..., i], -1 where it is not clustered)."""
-    order = jnp.argsort(labels, axis=-1, stable=True)
-    sorted_labels = jnp.take_along_axis(labels, order, axis=-1)
+    n = labels.shape[-1]
+    labels = jnp.minimum(labels, num_clusters)
+    if (num_clusters + 1) * n < _SORT_KEY_LIMIT:
+        # One sort of label·n + offset (distinct int32 keys): on XLA:CPU 5x faster than the stable argsort's sort
+        # of (label, offset) pairs (3 problems of 7,984 keys: 0.63 vs 3.1 ms).
+        key = jnp.sort(labels * n + jnp.arange(n, dtype=labels.dtype), axis=-1)
+        order, sorted_labels = key % n, key // n
+    else:
+        order = jnp.argsort(labels, axis=-1, stable=True)
+        sorted_labels = jnp.take_along_axis(labels, order, axis=-1)
     label = jnp.minimum(sorted_labels, num_clusters - 1)
     rank = jnp.arange(labels.shape[-1]) - jnp.take_along_axis(_exclusive_cumsum(sizes), label, axis=-1)
     rows = jnp.take_along_axis(block_start, label, axis=-1) * block_size + rank
