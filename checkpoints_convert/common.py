@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 from typing import Any, Callable, Iterable
@@ -290,20 +291,57 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
+class _Terminated(SystemExit):
+    """What SIGTERM raises inside `_sigterm_raises`."""
+
+
+@contextlib.contextmanager
+def _interrupts_redelivered():
+    """A Ctrl-C or SIGTERM whose exception Python cannot raise, because it landed in a callback (JAX's garbage
+    collection callback, say: its exceptions are 'ignored' and printed), is delivered again instead, so it
+    stops the program once Python is back in ordinary code, with no traceback printed."""
+    previous = sys.unraisablehook
+
+    def again(signum):
+        # Sent from another thread a moment later (not here: a handler that ran inside this hook would be ignored
+        # the same way), so the main thread handles it back in ordinary code.
+        timer = threading.Timer(0.05, os.kill, args=(os.getpid(), signum))
+        timer.daemon = True
+        timer.start()
+
+    def hook(unraisable):
+        if isinstance(unraisable.exc_value, _Terminated):
+            again(signal.SIGTERM)
+        elif isinstance(unraisable.exc_value, KeyboardInterrupt):
+            again(signal.SIGINT)
+        else:
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        if sys.unraisablehook is hook:
+            sys.unraisablehook = previous
+
+
 @contextlib.contextmanager
 def _sigterm_raises():
     """SIGTERM raises SystemExit (instead of ending the process on the spot), so cleanup code runs. Only
-    where SIGTERM still has its default action (a caller's own handler is left alone), from the main thread."""
+    where SIGTERM still has its default action (a caller's own handler is left alone), from the main thread.
+    Either interrupt landing in a callback that cannot raise is delivered again (`_interrupts_redelivered`)."""
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
-        yield
+        with _interrupts_redelivered():
+            yield
         return
 
     def stop(signum, frame):
-        raise SystemExit(128 + signum)
+        raise _Terminated(128 + signum)
 
     signal.signal(signal.SIGTERM, stop)
     try:
-        yield
+        with _interrupts_redelivered():
+            yield
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 

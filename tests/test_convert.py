@@ -586,6 +586,44 @@ def larger_hf_dir(tmp_path_factory) -> str:
     return write_tiny_hf(tmp_path_factory.mktemp("larger") / "src", cfg=cfg)
 
 
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_interrupt_inside_a_gc_callback_still_stops_the_conversion(signame, tmp_path, capfd):
+    """A signal whose handler runs inside a garbage-collection callback (where JAX keeps one) raises there, where
+    Python can only print the exception as 'ignored' and go on: the conversion's staging delivers it again, so it
+    stops the block once Python is back in ordinary code, cleans up, and nothing is printed. (A CI run's
+    SIGTERM landed in JAX's gc callback: 'Exception ignored in: <function _xla_gc_callback ...>'.)"""
+    import gc
+    import signal
+    import time
+
+    from checkpoints_convert.common import staging_dir
+
+    fired = []
+
+    def callback(phase, info):
+        if phase == "start" and not fired:
+            fired.append(1)
+            signal.raise_signal(getattr(signal, signame))  # its handler runs inside this callback
+
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
+    gc.callbacks.append(callback)
+    staged = []
+    try:
+        with pytest.raises(SystemExit if signame == "SIGTERM" else KeyboardInterrupt):
+            with staging_dir(str(tmp_path / "out"), overwrite=False) as staging:
+                staged.append(staging)
+                gc.collect()
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline:  # ordinary code: the interrupt arrives here
+                    pass
+                raise AssertionError("the interrupt was lost")
+    finally:
+        gc.callbacks.remove(callback)
+        signal.signal(signal.SIGINT, previous_int)
+    assert fired and staged and not os.path.exists(staged[0]) and not os.path.exists(tmp_path / "out")
+    assert "Exception ignored" not in capfd.readouterr().err
+
+
 @pytest.mark.parametrize("signum,stage,delay", [
     ("SIGTERM", "reading", 0.0),
     ("SIGINT", "saving", 0.0),
