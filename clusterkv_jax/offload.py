@@ -125,7 +125,8 @@ class RecallCache:
 
     def place(self, layer, starts, chunks):
         """Where this step's chunks go, for one layer: starts [B, h, c] first rows, chunks [B, h, c] whether a chunk
-        holds a selected row. Returns (slot [B, h, c] of each chunk (S for none), hit [B, h, c], miss [B, h, c]).
+        holds a selected row. Returns (slot [B, h, c] of each chunk (S for none), hit [B, h, c], miss [B, h, c],
+        miss_number [B, h, c]: a miss's number among the head's misses in selection order, from 0).
 
         A chunk hits when a slot holds it and selected it in the last R steps; the k-th miss (in selection order)
         takes the k-th free slot (no hit of this step in it), least recently used first (R = 1: in slot order, as
@@ -150,10 +151,11 @@ class RecallCache:
             rank = jnp.sum(before, axis=-1, dtype=jnp.int32)
         rank = jnp.where(taken, S, rank)
         miss = chunks & ~hit
+        miss_number = running_count(miss) - 1
         # The free slot whose rank is the miss's number among the misses.
-        is_slot = rank[..., None, :] == (running_count(miss) - 1)[..., :, None]  # [B, h, c, S]
+        is_slot = rank[..., None, :] == miss_number[..., :, None]  # [B, h, c, S]
         miss_slot = jnp.sum(jnp.where(is_slot, slots, 0), axis=-1)
-        return jnp.where(hit, hit_slot, jnp.where(miss, miss_slot, S)).astype(jnp.int32), hit, miss
+        return jnp.where(hit, hit_slot, jnp.where(miss, miss_slot, S)).astype(jnp.int32), hit, miss, miss_number
 
 
 def running_count(x: jax.Array) -> jax.Array:
@@ -305,12 +307,12 @@ class HostLayer(LayerView):
                             fetched=count(rc.fetched, float(B * h * c * chunk)))
             return k, v, selection.flat_mask(), HostLayer(self.store.replace(recall=rc), at, self.positions)
 
-        slot, hit, miss = rc.place(at, starts, chunks)
+        slot, hit, miss, miss_number = rc.place(at, starts, chunks)
         # The misses packed first, in selection order (the i-th miss: its start and slot); past the last miss, slot
         # S (the write is dropped).
         S, n = rc.ids.shape[-1], fetch_size(c)
         packed = jnp.arange(-(-c // n) * n, dtype=jnp.int32)
-        is_ith = miss[..., :, None] & ((running_count(miss) - 1)[..., :, None] == packed)  # [B, h, c, rounds * n]
+        is_ith = miss[..., :, None] & (miss_number[..., :, None] == packed)  # [B, h, c, rounds * n]
         miss_starts = jnp.sum(jnp.where(is_ith, starts[..., None], 0), axis=-2)
         miss_slots = jnp.where(jnp.any(is_ith, axis=-2), jnp.sum(jnp.where(is_ith, slot[..., None], 0), axis=-2), S)
 
