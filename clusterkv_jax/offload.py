@@ -7,18 +7,20 @@ where a backend lacks it we fall back and warn once). For a group of selecting l
 - a ring of the last W tokens written (slot = position % W): the policy's unindexed window, read every step
   and clustered from when it is due, without a host round trip;
 - a recall cache (`RecallCache`): device slots holding the chunks (rows, ClusterKV's blocks, Quest's pages)
-  selected in the last R = `cache_steps` steps, looked up by their first row.
+  selected in the last R = `cache_steps` steps, looked up by their first row, kept by KV head (its selection
+  heads' slots side by side) so a KV head's misses are fetched together.
 
 Each decode step of such a layer: the new token's K/V go to the host store and to the ring; the policy
 selects on the device; `read` finds the selected chunks in the recall cache, fetches only the missing ones from
 the host into free slots (their first rows move to the host, the host gathers the chunks inside the same jit
-via `compute_on`, they move back; `fetch_size(c)` chunks a round, as many rounds as the most missing head
-needs, none when everything hits), and attention reads the slots. The hits never move. Results equal the
-on-device path exactly. A group of full layers (`FullKV(offload=True)`) has neither buffer: each step streams
-the whole layer to the device.
+via `compute_on`, they move back; the misses of a KV head's selection heads packed together, `fetch_size(G·c)`
+chunks a round, as many rounds as the most missing KV head needs, none when everything hits), and attention
+reads the slots. The hits never move. Results equal the on-device path exactly. A group of full layers
+(`FullKV(offload=True)`) has neither buffer: each step streams the whole layer to the device.
 
 Device bytes of an offloaded selecting group depend on (budget, R, W), not on the context length.
-Shapes: n layers, B batch, K KV heads, h selection heads (N or K), c chunks of `chunk` rows, W window, H head dim.
+Shapes: n layers, B batch, K KV heads, h selection heads (N or K), G = h // K, c chunks of `chunk` rows, W window,
+H head dim.
 """
 
 from __future__ import annotations
@@ -104,8 +106,12 @@ class RecallCache:
 
     ids: jax.Array  # [n, B, h, S] int32 first row of the chunk in each slot (-1: empty); S = R·c slots
     last_used: jax.Array  # [n, B, h, S] int32 the step that last selected the slot's chunk
-    k: jax.Array  # [n, B, h, S, chunk * H]
-    v: jax.Array  # [n, B, h, S, chunk * H]
+    # Slot s of selection head h = k·G + g at [k, g·S + s]: a KV head's selection heads side by side, the same
+    # memory as [n, B, h, S, ...] (a layer's slots read as [B, h, S·chunk, H] by a reshape), so the fetch writes a
+    # KV head's packed misses with one scatter per round (stored this way, not reshaped per step: a reshape of
+    # the carried slots inside the fetch loop made XLA:CPU copy them whole).
+    k: jax.Array  # [n, B, K, G·S, chunk * H]
+    v: jax.Array  # [n, B, K, G·S, chunk * H]
     step: jax.Array  # [n] int32 decode steps seen
     hits: jax.Array  # [n] float32 selected rows served from the cache, summed over steps
     selected: jax.Array  # [n] float32 selected rows, summed over steps
@@ -113,20 +119,23 @@ class RecallCache:
     steps: int = flax.struct.field(pytree_node=False, default=0)  # R
 
     @classmethod
-    def create(cls, layers: int, selection_shape: tuple[int, int, int, int], steps: int, head_dim: int, dtype):
-        """selection_shape: (B, h, c chunks, chunk rows) of the policy's selection."""
+    def create(cls, layers: int, selection_shape: tuple[int, int, int, int], steps: int, head_dim: int, dtype,
+               kv_heads: int):
+        """selection_shape: (B, h, c chunks, chunk rows) of the policy's selection; h a multiple of kv_heads."""
         B, h, c, chunk = selection_shape
+        if h % kv_heads:
+            raise ValueError(f"{h} selection heads do not group into {kv_heads} KV heads")
         slots = (layers, B, h, steps * c)
+        rows = (layers, B, kv_heads, h // kv_heads * steps * c, chunk * head_dim)
         zeros = lambda: jnp.zeros((layers,), jnp.float32)  # a buffer each: the cache is donated
         return cls(ids=jnp.full(slots, -1, jnp.int32), last_used=jnp.full(slots, -1, jnp.int32),
-                   k=jnp.zeros(slots + (chunk * head_dim,), dtype), v=jnp.zeros(slots + (chunk * head_dim,), dtype),
+                   k=jnp.zeros(rows, dtype), v=jnp.zeros(rows, dtype),
                    step=jnp.zeros((layers,), jnp.int32), hits=zeros(), selected=zeros(), fetched=zeros(),
                    steps=steps)
 
     def place(self, layer, starts, chunks):
         """Where this step's chunks go, for one layer: starts [B, h, c] first rows, chunks [B, h, c] whether a chunk
-        holds a selected row. Returns (slot [B, h, c] of each chunk (S for none), hit [B, h, c], miss [B, h, c],
-        miss_number [B, h, c]: a miss's number among the head's misses in selection order, from 0).
+        holds a selected row. Returns (slot [B, h, c] of each chunk (S for none), hit [B, h, c], miss [B, h, c]).
 
         A chunk hits when a slot holds it and selected it in the last R steps; the k-th miss (in selection order)
         takes the k-th free slot (no hit of this step in it), least recently used first (R = 1: in slot order, as
@@ -155,7 +164,7 @@ class RecallCache:
         # The free slot whose rank is the miss's number among the misses.
         is_slot = rank[..., None, :] == miss_number[..., :, None]  # [B, h, c, S]
         miss_slot = jnp.sum(jnp.where(is_slot, slots, 0), axis=-1)
-        return jnp.where(hit, hit_slot, jnp.where(miss, miss_slot, S)).astype(jnp.int32), hit, miss, miss_number
+        return jnp.where(hit, hit_slot, jnp.where(miss, miss_slot, S)).astype(jnp.int32), hit, miss
 
 
 def running_count(x: jax.Array) -> jax.Array:
@@ -188,7 +197,8 @@ class HostKV(KVStore):
             ring = (layers, batch, kv_heads, window, head_dim)
             store = store.replace(ring_k=jnp.zeros(ring, dtype), ring_v=jnp.zeros(ring, dtype))
         if selection_shape is not None:
-            store = store.replace(recall=RecallCache.create(layers, selection_shape, cache_steps, head_dim, dtype))
+            store = store.replace(recall=RecallCache.create(layers, selection_shape, cache_steps, head_dim, dtype,
+                                                            kv_heads))
         return store
 
     def write_prompt(self, layer, k, v, start=0) -> "HostKV":
@@ -235,8 +245,11 @@ class HostKV(KVStore):
 
 
 def fetch_size(c: int) -> int:
-    """Chunks a selection head fetches from the host per round: a quarter of its selection (at R = 1 about one
-    chunk in five misses), so a typical step moves one round and a first step, all misses, four."""
+    """Chunks a KV head fetches from the host per round, of the c its selection heads select together: a quarter
+    (at R = 1 about one chunk in five misses), so most steps move one round and a first step, all misses, four.
+    Packed by KV head because the most missing head sets the number of rounds for all: rounds of a quarter of
+    each selection head's own chunks averaged 1.66 a layer-step on SmolLM2 at 4k (314 chunks moved), packed by KV
+    head 1.28 (234 chunks; RESULTS.md)."""
     return max(1, -(-c // 4))
 
 
@@ -293,8 +306,9 @@ class HostLayer(LayerView):
     @jax.named_scope("recall")
     def read(self, selection: Selection):
         """The selected chunks [B, h, c * chunk, H]: through the recall cache (`RecallCache`: hits stay in their
-        device slots, misses are fetched from the host into free slots, `fetch_size(c)` chunks a round), then read
-        from the slots; without a cache (R = 0), every chunk straight from the host."""
+        device slots, misses are fetched from the host into free slots, a KV head's packed together,
+        `fetch_size(G·c)` chunks a round), then read from the slots; without a cache (R = 0), every chunk straight
+        from the host."""
         rc, at = self.store.recall, self.index
         starts, chunks = selection.starts, jnp.any(selection.mask, axis=-1)  # [B, h, c]: chunks holding a token
         B, h, c = starts.shape
@@ -307,26 +321,34 @@ class HostLayer(LayerView):
                             fetched=count(rc.fetched, float(B * h * c * chunk)))
             return k, v, selection.flat_mask(), HostLayer(self.store.replace(recall=rc), at, self.positions)
 
-        slot, hit, miss, miss_number = rc.place(at, starts, chunks)
-        # The misses packed first, in selection order (the i-th miss: its start and slot); past the last miss, slot
-        # S (the write is dropped).
-        S, n = rc.ids.shape[-1], fetch_size(c)
-        packed = jnp.arange(-(-c // n) * n, dtype=jnp.int32)
-        is_ith = miss[..., :, None] & (miss_number[..., :, None] == packed)  # [B, h, c, rounds * n]
-        miss_starts = jnp.sum(jnp.where(is_ith, starts[..., None], 0), axis=-2)
-        miss_slots = jnp.where(jnp.any(is_ith, axis=-2), jnp.sum(jnp.where(is_ith, slot[..., None], 0), axis=-2), S)
+        slot, hit, miss = rc.place(at, starts, chunks)
+        S, K = rc.ids.shape[-1], rc.k.shape[2]
+        G = h // K
+        # By KV head: its G selection heads' chunks [B, K, G·c], their slots in the KV head's rows of the cache.
+        by_kv = lambda x: x.reshape(B, K, G * c)  # noqa: E731
+        head_rows = (jnp.arange(h, dtype=jnp.int32) % G)[:, None] * S  # where a selection head's slots start
+        kv_slot = by_kv(jnp.where(slot < S, slot + head_rows, G * S))  # G·S: in no slot
+        kv_miss = by_kv(miss)
+        # A KV head's misses packed first, in (selection head, selection) order (the i-th miss: its start and
+        # slot); past the last miss, slot G·S (the write is dropped).
+        n = fetch_size(G * c)
+        packed = jnp.arange(-(-G * c // n) * n, dtype=jnp.int32)
+        is_ith = kv_miss[..., :, None] & ((running_count(kv_miss) - 1)[..., :, None] == packed)  # [B, K, G·c, ·]
+        miss_starts = jnp.sum(jnp.where(is_ith, by_kv(starts)[..., None], 0), axis=-2)  # [B, K, rounds * n]
+        miss_slots = jnp.where(jnp.any(is_ith, axis=-2), jnp.sum(jnp.where(is_ith, kv_slot[..., None], 0), axis=-2),
+                               G * S)
 
-        def fetch_round(r, kv):  # round r: misses [r * n, (r + 1) * n) of every head, host -> their slots
+        def fetch_round(r, kv):  # round r: misses [r * n, (r + 1) * n) of every KV head, host -> their slots
             k_slots, v_slots = kv
             round_of = lambda x: jax.lax.dynamic_slice_in_dim(x, r * n, n, axis=-1)  # noqa: E731
-            k, v = self.host_gather(round_of(miss_starts), chunk, selection.aligned)  # [B, h, n, chunk, H]
+            k, v = self.host_gather(round_of(miss_starts), chunk, selection.aligned)  # [B, K, n, chunk, H]
             where = row_index(round_of(miss_slots), at)
-            return (scatter_rows(k_slots, where, k.reshape(B, h, n, chunk * H)),
-                    scatter_rows(v_slots, where, v.reshape(B, h, n, chunk * H)))
+            return (scatter_rows(k_slots, where, k.reshape(B, K, n, chunk * H)),
+                    scatter_rows(v_slots, where, v.reshape(B, K, n, chunk * H)))
 
-        # As many rounds as the head with the most misses needs (none when everything hits); a while loop, so the
-        # slots are written in place.
-        needed = -(-jnp.max(jnp.sum(miss, axis=-1)) // n)
+        # As many rounds as the KV head with the most misses needs (none when everything hits); a while loop, so
+        # the slots are written in place.
+        needed = -(-jnp.max(jnp.sum(kv_miss, axis=-1)) // n)
         k_slots, v_slots = jax.lax.fori_loop(0, needed, fetch_round, (rc.k, rc.v))
         new = slot < S  # [B, h, c] chunks that now sit in a slot
         where = row_index(slot, at)
@@ -338,7 +360,7 @@ class HostLayer(LayerView):
             last_used=keep_new(rc.last_used, jnp.broadcast_to(now, slot.shape)),
             step=count(rc.step, 1), selected=count(rc.selected, selected),
             hits=count(rc.hits, jnp.sum(jnp.where(hit[..., None], selection.mask, False))),
-            fetched=count(rc.fetched, (needed * B * h * n * chunk).astype(jnp.float32)),
+            fetched=count(rc.fetched, (needed * B * K * n * chunk).astype(jnp.float32)),
         )
         view = HostLayer(self.store.replace(recall=rc), at, self.positions)
         layer_of = lambda x: jax.lax.dynamic_index_in_dim(x, at, keepdims=False)  # noqa: E731
@@ -350,7 +372,8 @@ class HostLayer(LayerView):
             k, v = (layer_of(x).reshape(B, h, S * chunk, H) for x in (k_slots, v_slots))
             return k, v, mask.reshape(B, h, S * chunk), view
         # R > 1: the selected slots, in selection order (an unselected chunk reads a clamped slot: masked).
-        k, v = (gather_rows(x, where).reshape(B, h, c * chunk, H) for x in (k_slots, v_slots))
+        kv_where = row_index(kv_slot, at)
+        k, v = (gather_rows(x, kv_where).reshape(B, h, c * chunk, H) for x in (k_slots, v_slots))
         return k, v, selection.flat_mask(), view
 
 

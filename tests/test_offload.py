@@ -86,20 +86,26 @@ def test_longer_cache_history_hits_at_least_as_often():
     assert offload.hit_rates(r1)[2] > 0  # consecutive steps do share clusters
 
 
-def numpy_cache_simulation(selections, R):
-    """Hits of an R-step cache: a token hits if the same (sequence, head) selected it in the last R steps."""
-    history, hits, total = [], 0, 0
+def numpy_cache_simulation(selections, R, kv_heads, fetch_size):
+    """An R-step cache in NumPy: a token hits if the same (sequence, head) selected it in the last R steps. Returns
+    (hits, selected tokens, rows fetched): each step fetches its misses in rounds of `fetch_size` per KV head, as
+    many rounds as the (sequence, KV head) with the most misses among its selection heads needs."""
+    history, hits, total, fetched = [], 0, 0, 0
     for idx, mask in selections:
-        for b in range(idx.shape[0]):
-            for h in range(idx.shape[1]):
+        B, h = idx.shape[:2]
+        misses = np.zeros((B, kv_heads), int)
+        for b in range(B):
+            for head in range(h):
                 recent = set()
                 for past_idx, past_mask in history[-R:]:
-                    recent |= set(past_idx[b, h][past_mask[b, h]].tolist())
-                chosen = idx[b, h][mask[b, h]].tolist()
+                    recent |= set(past_idx[b, head][past_mask[b, head]].tolist())
+                chosen = idx[b, head][mask[b, head]].tolist()
                 hits += sum(t in recent for t in chosen)
                 total += len(chosen)
+                misses[b, head // (h // kv_heads)] += sum(t not in recent for t in chosen)
+        fetched += -(-misses.max() // fetch_size) * B * kv_heads * fetch_size
         history.append((idx, mask))
-    return hits, total
+    return hits, total, fetched
 
 
 @pytest.mark.parametrize("R", [1, 2, 3])
@@ -126,8 +132,10 @@ def test_recall_cache_matches_numpy_simulation_and_returns_host_rows(R):
         assert_same_rows(k, got_mask, hk[np.arange(B)[:, None, None], kv_head[None, :, None], idx], mask)
         assert_same_rows(v, got_mask, hv[np.arange(B)[:, None, None], kv_head[None, :, None], idx], mask)
         selections.append((idx, mask))
-    hits, total = numpy_cache_simulation(selections, R)
+    hits, total, fetched = numpy_cache_simulation(selections, R, K, offload.fetch_size(h // K * M))
     assert (int(store.recall.hits[0]), int(store.recall.selected[0])) == (hits, total)
+    # Only whole rounds of a KV head's packed misses move: the rows the NumPy rounds count.
+    assert int(store.recall.fetched[0]) == fetched
     assert 0 < hits < total
     # Selecting the last step's tokens again hits everything: nothing moves.
     before = float(store.recall.fetched[0])
