@@ -135,7 +135,8 @@ class RecallCache:
 
     def place(self, layer, starts, chunks):
         """Where this step's chunks go, for one layer: starts [B, h, c] first rows, chunks [B, h, c] whether a chunk
-        holds a selected row. Returns (slot [B, h, c] of each chunk (S for none), hit [B, h, c], miss [B, h, c]).
+        holds a selected row. Returns (slot [B, h, c] of each chunk (S for none), hit [B, h, c], miss [B, h, c],
+        miss_number [B, h, c]: a miss's number among the head's misses in selection order, from 0).
 
         A chunk hits when a slot holds it and selected it in the last R steps; the k-th miss (in selection order)
         takes the k-th free slot (no hit of this step in it), least recently used first (R = 1: in slot order, as
@@ -164,7 +165,7 @@ class RecallCache:
         # The free slot whose rank is the miss's number among the misses.
         is_slot = rank[..., None, :] == miss_number[..., :, None]  # [B, h, c, S]
         miss_slot = jnp.sum(jnp.where(is_slot, slots, 0), axis=-1)
-        return jnp.where(hit, hit_slot, jnp.where(miss, miss_slot, S)).astype(jnp.int32), hit, miss
+        return jnp.where(hit, hit_slot, jnp.where(miss, miss_slot, S)).astype(jnp.int32), hit, miss, miss_number
 
 
 def running_count(x: jax.Array) -> jax.Array:
@@ -321,20 +322,24 @@ class HostLayer(LayerView):
                             fetched=count(rc.fetched, float(B * h * c * chunk)))
             return k, v, selection.flat_mask(), HostLayer(self.store.replace(recall=rc), at, self.positions)
 
-        slot, hit, miss = rc.place(at, starts, chunks)
+        slot, hit, miss, miss_number = rc.place(at, starts, chunks)
         S, K = rc.ids.shape[-1], rc.k.shape[2]
         G = h // K
-        # By KV head: its G selection heads' chunks [B, K, G·c], their slots in the KV head's rows of the cache.
-        by_kv = lambda x: x.reshape(B, K, G * c)  # noqa: E731
+        # By KV head (`per_kv_head`): its G selection heads' chunks [B, K, G·c], their slots in the KV head's rows
+        # of the cache, and each miss's number among the KV head's misses (its number in its selection head, after
+        # the misses of the KV head's earlier selection heads).
         head_rows = (jnp.arange(h, dtype=jnp.int32) % G)[:, None] * S  # where a selection head's slots start
-        kv_slot = by_kv(jnp.where(slot < S, slot + head_rows, G * S))  # G·S: in no slot
-        kv_miss = by_kv(miss)
+        kv_slot = per_kv_head(jnp.where(slot < S, slot + head_rows, G * S), K)  # G·S: in no slot
+        kv_miss = per_kv_head(miss, K)
+        head_misses = jnp.sum(miss, axis=-1, dtype=jnp.int32).reshape(B, K, G)
+        earlier = (jnp.cumsum(head_misses, axis=-1) - head_misses).reshape(B, h, 1)
+        kv_miss_number = per_kv_head(miss_number + earlier, K)
         # A KV head's misses packed first, in (selection head, selection) order (the i-th miss: its start and
         # slot); past the last miss, slot G·S (the write is dropped).
         n = fetch_size(G * c)
         packed = jnp.arange(-(-G * c // n) * n, dtype=jnp.int32)
-        is_ith = kv_miss[..., :, None] & ((running_count(kv_miss) - 1)[..., :, None] == packed)  # [B, K, G·c, ·]
-        miss_starts = jnp.sum(jnp.where(is_ith, by_kv(starts)[..., None], 0), axis=-2)  # [B, K, rounds * n]
+        is_ith = kv_miss[..., :, None] & (kv_miss_number[..., :, None] == packed)  # [B, K, G·c, rounds * n]
+        miss_starts = jnp.sum(jnp.where(is_ith, per_kv_head(starts, K)[..., None], 0), axis=-2)  # [B, K, rounds * n]
         miss_slots = jnp.where(jnp.any(is_ith, axis=-2), jnp.sum(jnp.where(is_ith, kv_slot[..., None], 0), axis=-2),
                                G * S)
 
@@ -348,7 +353,7 @@ class HostLayer(LayerView):
 
         # As many rounds as the KV head with the most misses needs (none when everything hits); a while loop, so
         # the slots are written in place.
-        needed = -(-jnp.max(jnp.sum(kv_miss, axis=-1)) // n)
+        needed = -(-jnp.max(jnp.sum(head_misses, axis=-1)) // n)
         k_slots, v_slots = jax.lax.fori_loop(0, needed, fetch_round, (rc.k, rc.v))
         new = slot < S  # [B, h, c] chunks that now sit in a slot
         where = row_index(slot, at)
