@@ -156,6 +156,11 @@ class KVPolicy:
         positions [window_start, window_start + W) as [B, K, W, H]; call it only when needed."""
         return state
 
+    def decode_changed_state(self, old_state: Any, new_state: Any) -> jax.Array | None:
+        """Whether a decode step's `decode_attention` changed a layer's state (a traced bool), so the model
+        writes the state back only then; None (the default): it may have, write it every step."""
+        return None
+
     def select(
         self,
         state: Any,

@@ -430,6 +430,10 @@ class ClusterKV(KVPolicy):
             clustered_upto=jnp.where(due, start + W, start),
         )
 
+    def decode_changed_state(self, old_state: ClusterIndex, new_state: ClusterIndex):
+        # A decode step changes the index only when it clusters a window (`index_recent`).
+        return jnp.any(new_state.clustered_upto != old_state.clustered_upto)
+
     def commit_recent(self, old_state: ClusterIndex, new_state: ClusterIndex, kv):
         """Copies the window's rows of the sequences just clustered to their new blocks (a sequence not due
         copies nothing: its destinations are out of range). The store decides whether to skip a step with
