@@ -173,11 +173,11 @@ def _scan_groups(params: Params, groups: tuple[LayerGroup, ...], x: jax.Array, s
     for group in groups:
         def body(carry, i, group=group):
             x, store, states = carry
+            def at(tree, index):
+                return jax.tree.map(lambda p: jax.lax.dynamic_index_in_dim(p, index, keepdims=False), tree)
+
             # Indexed inside the body (not scanned over a slice), so no group copies the weights.
-            at_layer = lambda p: jax.lax.dynamic_index_in_dim(p, i, keepdims=False)  # noqa: E731
-            layer = jax.tree.map(lambda p: jax.lax.dynamic_index_in_dim(p, group.start + i, keepdims=False),
-                                 params["layers"])
-            x, store, state, changed = step(group, layer, i, x, store, jax.tree.map(at_layer, states))
+            x, store, state, changed = step(group, at(params["layers"], group.start + i), i, x, store, at(states, i))
 
             def write(states):
                 return jax.tree.map(lambda s, new: jax.lax.dynamic_update_index_in_dim(s, new, i, 0), states, state)
