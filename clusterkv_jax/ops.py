@@ -168,6 +168,15 @@ def scatter_rows(store: jax.Array, index: jax.Array, rows: jax.Array, mode=WRITE
     return jax.lax.scatter(store, index, rows.astype(store.dtype), dims, mode=mode)
 
 
+def scatter_entries(table: jax.Array, index: jax.Array, values: jax.Array, mode=WRITE_MODE) -> jax.Array:
+    """Writes values [B, K, n] at index [B, K, n, 2] (from `row_index` with a layer) into table [L, B, K, S]; returns
+    the table. (Not `scatter_rows` of table[..., None]: that reshape made XLA:CPU copy the whole table.)"""
+    dims = jax.lax.ScatterDimensionNumbers(update_window_dims=(), inserted_window_dims=(0, 3),
+                                           scatter_dims_to_operand_dims=(0, 3), operand_batching_dims=(1, 2),
+                                           scatter_indices_batching_dims=(0, 1))
+    return jax.lax.scatter(table, index, values.astype(table.dtype), dims, mode=mode)
+
+
 def per_kv_head(idx: jax.Array, num_kv_heads: int) -> jax.Array:
     """A selection idx [B, h, M] (h = query heads, or KV heads) as [B, K, (h // K) * M]: each KV head's rows for
     all of its selection heads, so one gather per KV head reads them."""

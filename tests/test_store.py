@@ -186,3 +186,23 @@ def test_device_commit_is_conditional_on_the_cpu_only():
     assert "stablehlo.compare" not in cuda and "stablehlo.scatter" in cuda
     compiled = commit.lower(store, window, dest).compile().as_text()
     assert "conditional(" in compiled
+
+
+def test_scatter_entries_writes_one_layer_and_drops_out_of_range():
+    """ops.scatter_entries (the recall cache's slot ids and last-use steps) against NumPy: values land at
+    [layer, b, k, index] of one layer only; an index past the table is dropped."""
+    from clusterkv_jax.ops import row_index, scatter_entries
+
+    rng = np.random.default_rng(3)
+    L, m = 3, 5
+    table = rng.integers(-9, 9, (L, B, K, S)).astype(np.int32)
+    index = rng.permutation(S + 4)[: B * K * m].reshape(B, K, m).astype(np.int32)  # some >= S: dropped
+    values = rng.integers(100, 200, (B, K, m)).astype(np.int32)
+    want = table.copy()
+    for b in range(B):
+        for k in range(K):
+            for i in range(m):
+                if index[b, k, i] < S:
+                    want[1, b, k, index[b, k, i]] = values[b, k, i]
+    got = jax.jit(scatter_entries)(jnp.asarray(table), row_index(jnp.asarray(index), 1), jnp.asarray(values))
+    np.testing.assert_array_equal(np.asarray(got), want)
