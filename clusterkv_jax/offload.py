@@ -254,6 +254,32 @@ def fetch_size(c: int) -> int:
     return max(1, -(-c // 4))
 
 
+def pack_misses(starts, slot, miss, miss_number, kv_heads: int, slots: int, n: int):
+    """A layer-step's misses packed by KV head, for fetch rounds of n chunks: starts, slot [B, h, c] (S = `slots`:
+    in no slot), miss [B, h, c], miss_number [B, h, c] (a miss's number among its selection head's misses, from
+    `RecallCache.place`). Returns kv_slot [B, K, G·c] (each chunk's row in its KV head's G·S cache rows; G·S: none),
+    miss_starts and miss_slots [B, K, P] (a KV head's i-th miss, in (selection head, selection) order, at entry i;
+    past the last miss start 0 and slot G·S, whose write is dropped; P = G·c rounded up to rounds of n) and
+    kv_misses [B, K] (misses per KV head).
+
+    One scatter: the misses' numbers within a KV head are distinct. On XLA:CPU it took ~35 µs a layer, the
+    [G·c, P] comparison matrix it replaced ~160 µs (SmolLM2 at 4k: 243 chunks a KV head; RESULTS.md)."""
+    B, h, c = starts.shape
+    K, S = kv_heads, slots
+    G = h // K
+    head_rows = (jnp.arange(h, dtype=jnp.int32) % G)[:, None] * S  # where a selection head's slots start
+    kv_slot = per_kv_head(jnp.where(slot < S, slot + head_rows, G * S), K)
+    head_misses = jnp.sum(miss, axis=-1, dtype=jnp.int32).reshape(B, K, G)
+    earlier = (jnp.cumsum(head_misses, axis=-1) - head_misses).reshape(B, h, 1)  # misses of earlier heads
+    P = -(-G * c // n) * n
+    entry = jnp.where(per_kv_head(miss, K), per_kv_head(miss_number + earlier, K), P)  # [B, K, G·c] (P: dropped)
+    empty = jnp.broadcast_to(jnp.array([0, G * S], jnp.int32), (P, 2))
+    pack = lambda e, x: empty.at[e].set(x, mode="drop")  # noqa: E731
+    both = jnp.stack([per_kv_head(starts, K), kv_slot], axis=-1).astype(jnp.int32)  # [B, K, G·c, 2]
+    packed = jax.vmap(jax.vmap(pack))(entry, both)
+    return kv_slot, packed[..., 0], packed[..., 1], jnp.sum(head_misses, axis=-1)
+
+
 class HostLayer(LayerView):
     """One layer of a HostKV."""
 
@@ -324,28 +350,8 @@ class HostLayer(LayerView):
 
         slot, hit, miss, miss_number = rc.place(at, starts, chunks)
         S, K = rc.ids.shape[-1], rc.k.shape[2]
-        G = h // K
-        # By KV head (`per_kv_head`): its G selection heads' chunks [B, K, G·c], their slots in the KV head's rows
-        # of the cache, and each miss's number among the KV head's misses (its number in its selection head, after
-        # the misses of the KV head's earlier selection heads).
-        head_rows = (jnp.arange(h, dtype=jnp.int32) % G)[:, None] * S  # where a selection head's slots start
-        kv_slot = per_kv_head(jnp.where(slot < S, slot + head_rows, G * S), K)  # G·S: in no slot
-        kv_miss = per_kv_head(miss, K)
-        head_misses = jnp.sum(miss, axis=-1, dtype=jnp.int32).reshape(B, K, G)
-        earlier = (jnp.cumsum(head_misses, axis=-1) - head_misses).reshape(B, h, 1)
-        kv_miss_number = per_kv_head(miss_number + earlier, K)
-        # A KV head's misses packed first, in (selection head, selection) order: its i-th miss's start and slot at
-        # entry i, by one scatter (the misses' numbers are distinct); past the last miss, start 0 and slot G·S (the
-        # write is dropped). On XLA:CPU the scatter of a layer's G·c chunks took ~35 µs, the [G·c, rounds·n]
-        # comparison matrix it replaced ~160 µs (SmolLM2 at 4k: 243 chunks a KV head).
-        n = fetch_size(G * c)
-        P = -(-G * c // n) * n
-        entry = jnp.where(kv_miss, kv_miss_number, P)  # [B, K, G·c] (P: not a miss, dropped)
-        empty = jnp.broadcast_to(jnp.array([0, G * S], jnp.int32), (P, 2))
-        pack = lambda e, x: empty.at[e].set(x, mode="drop")  # noqa: E731
-        both = jnp.stack([per_kv_head(starts, K), kv_slot], axis=-1).astype(jnp.int32)  # [B, K, G·c, 2]
-        packed = jax.vmap(jax.vmap(pack))(entry, both)
-        miss_starts, miss_slots = packed[..., 0], packed[..., 1]  # [B, K, rounds * n]
+        n = fetch_size(h // K * c)
+        kv_slot, miss_starts, miss_slots, kv_misses = pack_misses(starts, slot, miss, miss_number, K, S, n)
 
         def fetch_round(r, kv):  # round r: misses [r * n, (r + 1) * n) of every KV head, host -> their slots
             k_slots, v_slots = kv
@@ -357,7 +363,7 @@ class HostLayer(LayerView):
 
         # As many rounds as the KV head with the most misses needs (none when everything hits); a while loop, so
         # the slots are written in place.
-        needed = -(-jnp.max(jnp.sum(head_misses, axis=-1)) // n)
+        needed = -(-jnp.max(kv_misses) // n)
         k_slots, v_slots = jax.lax.fori_loop(0, needed, fetch_round, (rc.k, rc.v))
         new = slot < S  # [B, h, c] chunks that now sit in a slot
         where = row_index(slot, at)

@@ -182,3 +182,34 @@ def test_bench_offload_reports_hit_rates_bytes_and_clustering_share():
     assert r1["kv_bytes"]["host"] == r2["kv_bytes"]["host"] > 0
     assert r2["kv_bytes"]["device"] > r1["kv_bytes"]["device"]  # R=2 keeps two steps of rows
     assert res["prefill"]["full"]["prefill_s"] > 0 and "clustering" in format_offload(res)
+
+
+def test_pack_misses_against_numpy():
+    """offload.pack_misses against a loop: each KV head's misses in (selection head, selection) order at the
+    front of its rounds, with their starts and their slots in the KV head's cache rows; the rest start 0, slot
+    G·S; kv_slot and the miss counts likewise."""
+    rng = np.random.default_rng(5)
+    B, K, G, c, S, n = 2, 3, 2, 7, 9, 4
+    h = K * G
+    starts = rng.integers(0, 1000, (B, h, c)).astype(np.int32)
+    slot = rng.integers(0, S + 1, (B, h, c)).astype(np.int32)  # S: in no slot
+    miss = rng.random((B, h, c)) < 0.4
+    miss_number = np.cumsum(miss, axis=-1).astype(np.int32) - 1
+    kv_slot, miss_starts, miss_slots, kv_misses = jax.jit(offload.pack_misses, static_argnums=(4, 5, 6))(
+        starts, slot, miss, miss_number, K, S, n)
+    P = -(-G * c // n) * n
+    for b in range(B):
+        for k in range(K):
+            want_starts, want_slots, want_kv_slot = [], [], []
+            for g in range(G):
+                for i in range(c):
+                    row = g * S + slot[b, k * G + g, i] if slot[b, k * G + g, i] < S else G * S
+                    want_kv_slot.append(row)
+                    if miss[b, k * G + g, i]:
+                        want_starts.append(starts[b, k * G + g, i])
+                        want_slots.append(row)
+            m = len(want_starts)
+            np.testing.assert_array_equal(np.asarray(kv_slot[b, k]), want_kv_slot)
+            assert int(kv_misses[b, k]) == m
+            np.testing.assert_array_equal(np.asarray(miss_starts[b, k]), want_starts + [0] * (P - m))
+            np.testing.assert_array_equal(np.asarray(miss_slots[b, k]), want_slots + [G * S] * (P - m))
