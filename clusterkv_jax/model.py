@@ -167,8 +167,9 @@ def _scan_groups(params: Params, groups: tuple[LayerGroup, ...], x: jax.Array, s
     A group's stacked states ride in the scan's carry, like its store, and a layer's state is written back only
     when it changed (on the CPU, under a `lax.cond`): most decode steps change no policy state (ClusterKV's
     changes once every `decode_interval` steps), and writing every layer's state back each step, as the scan's
-    outputs did, took ~0.9 ms of a traced ~46 ms SmolLM2 step at 4k on the CPU (RESULTS.md). Elsewhere the write always
-    runs: a conditional that returns the carry may make XLA:GPU copy it whole (see `LayerView.commit_window`)."""
+    outputs did, took ~0.9 ms of a traced ~46 ms SmolLM2 step at 4k on the CPU (RESULTS.md). Elsewhere the write
+    always runs: a conditional that returns the carry may make XLA:GPU copy it whole (see
+    `LayerView.commit_window`)."""
     out = []
     for group in groups:
         def body(carry, i, group=group):

@@ -170,10 +170,12 @@ def scatter_rows(store: jax.Array, index: jax.Array, rows: jax.Array, mode=WRITE
 
 def scatter_entries(table: jax.Array, index: jax.Array, values: jax.Array, mode=WRITE_MODE) -> jax.Array:
     """Writes values [B, K, n] at index [B, K, n, 2] (from `row_index` with a layer) into table [L, B, K, S]; returns
-    the table. (Not `scatter_rows` of table[..., None]: that reshape made XLA:CPU copy the whole table.)"""
-    dims = jax.lax.ScatterDimensionNumbers(update_window_dims=(), inserted_window_dims=(0, 3),
-                                           scatter_dims_to_operand_dims=(0, 3), operand_batching_dims=(1, 2),
-                                           scatter_indices_batching_dims=(0, 1))
+    the table. `scatter_rows` for a store without its row axis H (not `scatter_rows` of table[..., None]: that
+    reshape made XLA:CPU copy the whole table)."""
+    d = _row_dims(table.ndim + 1)  # addressed as an [L, B, K, S, H] store
+    dims = jax.lax.ScatterDimensionNumbers(update_window_dims=(), inserted_window_dims=d["collapsed"],
+                                           scatter_dims_to_operand_dims=d["index_map"],
+                                           operand_batching_dims=d["batching"], scatter_indices_batching_dims=(0, 1))
     return jax.lax.scatter(table, index, values.astype(table.dtype), dims, mode=mode)
 
 
