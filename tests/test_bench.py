@@ -4,6 +4,7 @@ and HF's model rebuilt from our weights gives our logits. Nothing here is timed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -148,6 +149,36 @@ def test_bench_attention_reports_every_policy():
     row = results["contexts"]["100"]
     assert set(row) == {"full"} | {f"{n}@32{s}" for n in names for s in ("", " select")}
     assert row["clusterkv@32"]["indexing_ms"] > 0
+    for name in names:
+        info = row[f"{name}@32"]
+        assert info["given_selection_ms"] > 0
+        assert info["select_in_step_ms"] == pytest.approx(info["ms"] - info["given_selection_ms"])
+
+
+@pytest.mark.parametrize("policy", [ClusterKV(budget=32, full_layers=0), Quest(budget=32, full_layers=0)],
+                         ids=["clusterkv", "quest"])
+def test_step_given_its_selection_is_the_step(policy):
+    """The step `bench attention` subtracts to cost the selection does everything else the same: given the
+    selection the policy makes, it returns the same output, state and store."""
+    from clusterkv_jax.bench.attention import _given_selection
+    from clusterkv_jax.cache import LayerGroup, write_prompt_layer
+    from clusterkv_jax.store import DeviceKV
+
+    one = dataclasses.replace(CFG, num_layers=1)
+    B, ctx, cap = 2, 100, 128
+    k, v = (x[0] for x in synthetic_kv(jax.random.PRNGKey(0), one, B, ctx, cap, jnp.float32))
+    lengths = jnp.array([ctx, ctx - 30], jnp.int32)
+    q = jax.random.normal(jax.random.PRNGKey(1), (B, CFG.num_heads, CFG.head_dim), jnp.float32)
+    empty = (DeviceKV.create(1, B, CFG.num_kv_heads, policy.store_rows(cap), CFG.head_dim, jnp.float32),
+             policy.init_state(one, B, cap))
+    group = LayerGroup(store=None, state=None, start=0, selecting=True)
+    store, state = write_prompt_layer(policy, group, *empty, jnp.int32(0), k, v, lengths, cap)
+    selection = policy.select(state, q, None, lengths, lengths)
+    own = policy.decode_attention(state, q, store.layer(jnp.int32(0), cap), lengths, lengths)
+    given = _given_selection(policy, selection).decode_attention(state, q, store.layer(jnp.int32(0), cap), lengths,
+                                                                 lengths)
+    assert type(policy).select is not type(_given_selection(policy, selection)).select
+    jax.tree.map(np.testing.assert_array_equal, (own[0], own[1], own[2].store), (given[0], given[1], given[2].store))
 
 
 @pytest.mark.parametrize("tie", [True, False])

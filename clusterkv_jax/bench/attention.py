@@ -1,5 +1,6 @@
 """`clusterkv bench attention`: one layer's decode attention alone, full vs each policy's decode step (index,
-select, read, attend), and its selection alone, on synthetic clustered keys."""
+select, read, attend), and what its selection costs, on synthetic clustered keys: alone (a program of its own) and
+inside the step (the step less the same step given the selection)."""
 
 from __future__ import annotations
 
@@ -27,23 +28,32 @@ def _output_state_and_store(result):
 
 
 class _Donating:
-    """Calls exe(state, q, store, lengths) -> (out, state, store), passing each call's state and store to the
-    next (both donated, as the model's decode step donates the cache)."""
+    """Calls exe(state, q, store, lengths, *rest) -> (out, state, store), passing each call's state and store to
+    the next (both donated, as the model's decode step donates the cache)."""
 
     def __init__(self, exe, state, store):
         self.exe, self.state, self.store = exe, state, store
 
-    def __call__(self, q, lengths):
-        out, self.state, self.store = self.exe(self.state, q, self.store, lengths)
+    def __call__(self, q, lengths, *rest):
+        out, self.state, self.store = self.exe(self.state, q, self.store, lengths, *rest)
         return out
+
+
+def _given_selection(policy: KVPolicy, selection) -> KVPolicy:
+    """`policy` whose `select` returns `selection` (traced, computed outside): its decode step without the
+    selection's work, the rest (index, read, attend) unchanged."""
+    given = type(f"Given{type(policy).__name__}", (type(policy),), {"select": lambda self, *args: selection})
+    return given(**{f.name: getattr(policy, f.name) for f in dataclasses.fields(policy) if f.init})
 
 
 def bench_attention(config: ModelConfig, policies: dict[str, KVPolicy], contexts: list[int], *, batch: int = 1,
                     dtype=jnp.float32, repeats: int = 20, seed: int = 0, progress: bool = True) -> dict[str, Any]:
     """One layer's decode attention: full (`attention.decode_attention`) vs each selecting policy's
-    `decode_attention` (over its own store layout, the store donated as in the model's step) and its `select`
-    alone. Each time is the median of `repeats` calls, the policies interleaved. Policies that select in no layer
-    of `config` (full KV) are timed once, as "full"."""
+    `decode_attention` (over its own store layout, the store donated as in the model's step), its `select` alone,
+    and the step given the selection (select_in_step_ms: the step's time less this). Each time is the median of
+    `repeats` calls; every step, and the step given its selection, is timed right after a full-attention call (a
+    program that reads the whole layer, as the layers before do in a model), the select after the given step.
+    Policies that select in no layer of `config` (full KV) are timed once, as "full"."""
     one_layer = dataclasses.replace(config, num_layers=1)
     results: dict[str, Any] = {"contexts": {}, "batch": batch, "dtype": str(jnp.dtype(dtype)),
                                "geometry": {"num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads,
@@ -59,6 +69,7 @@ def bench_attention(config: ModelConfig, policies: dict[str, KVPolicy], contexts
         calls: dict[str, tuple[Any, tuple]] = {}
         indexing: dict[str, float] = {}  # the layer's prompt indexing and layout (ClusterKV: clustering)
         calls["full"] = (compiled(jax.jit(attention.decode_attention), q, k, v, lengths)[0], (q, k, v, lengths))
+        order: list[str] = []
         for name, policy in policies.items():
             if policy.full_layers >= config.num_layers:  # selects nothing
                 continue
@@ -78,21 +89,34 @@ def bench_attention(config: ModelConfig, policies: dict[str, KVPolicy], contexts
             # every call makes the same selection.
             attend = jax.jit(lambda s, q, st, n, p=policy: _output_state_and_store(p.decode_attention(
                 s, q, st.layer(jnp.int32(0), capacity), n, n)), donate_argnums=(0, 2))
+            given = jax.jit(lambda s, q, st, n, sel, p=policy: _output_state_and_store(
+                _given_selection(p, sel).decode_attention(s, q, st.layer(jnp.int32(0), capacity), n, n)),
+                donate_argnums=(0, 2))
             keys = k if policy.reads_all_keys else None
             select = jax.jit(lambda s, q, k, n, p=policy: p.select(s, q, k, n, n))
-            state = jax.tree.map(jnp.copy, lay)  # donated; `lay` stays for the select timing
+            selection = select(lay, q, keys, lengths)
+            copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731  (each call donates its own)
+            state_2, store_2, state = copy(lay), copy(store), copy(lay)  # `lay` stays for the select timing
             calls[name] = (_Donating(compiled(attend, state, q, store, lengths)[0], state, store), (q, lengths))
+            calls[f"{name} given"] = (_Donating(compiled(given, state_2, q, store_2, lengths, selection)[0],
+                                                state_2, store_2), (q, lengths, selection))
             indexing[name] = index_s
             calls[f"{name} select"] = (compiled(select, lay, q, keys, lengths)[0], (lay, q, keys, lengths))
+            order += ["full", name, "full", f"{name} given", f"{name} select"]
         times: dict[str, list[float]] = {name: [] for name in calls}
         for i in range(repeats + 1):
-            for name, (exe, args) in calls.items():
+            for name in order or ["full"]:
+                exe, args = calls[name]
                 _, seconds = timed(exe, *args)
                 if i:  # the first call of each warms up
                     times[name].append(seconds)
-        row = {name: {"ms": 1e3 * statistics.median(ts)} for name, ts in times.items()}
+        ms = {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
+        row = {name: {"ms": t} for name, t in ms.items() if not name.endswith(" given")}
         for name, seconds in indexing.items():
             row[name]["indexing_ms"] = 1e3 * seconds
+            row[name]["given_selection_ms"] = ms[f"{name} given"]
+            row[name]["select_in_step_ms"] = ms[name] - ms[f"{name} given"]
+            row[name]["select_share_in_step"] = row[name]["select_in_step_ms"] / ms[name]
         for name, info in row.items():
             info["speedup_vs_full"] = row["full"]["ms"] / info["ms"]
             if name.endswith(" select"):
