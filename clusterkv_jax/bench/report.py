@@ -67,8 +67,8 @@ def format_attention(results: dict[str, Any]) -> str:
         for name, r in row.items():
             if "select_in_step_ms" in r:
                 alone = row[f"{name} select"]
-                lines.append(f"{name} at {c}: select alone {alone['ms']:.2f} ms ({alone['share_of_policy_attention']:.0%}"
-                             f" of the step), in the step {r['select_in_step_ms']:.2f} ms "
+                lines.append(f"{name} at {c}: select alone {alone['ms']:.2f} ms "
+                             f"({alone['share_of_policy_attention']:.0%} of the step), in the step {r['select_in_step_ms']:.2f} ms "
                              f"({r['select_share_in_step']:.0%}: the step {r['ms']:.2f} ms, given the selection "
                              f"{r['given_selection_ms']:.2f} ms)")
     return "\n".join(lines)
