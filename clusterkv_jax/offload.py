@@ -133,25 +133,36 @@ class RecallCache:
                    step=jnp.zeros((layers,), jnp.int32), hits=zeros(), selected=zeros(), fetched=zeros(),
                    steps=steps)
 
-    def place(self, layer, starts, chunks):
-        """Where this step's chunks go, for one layer: starts [B, h, c] first rows, chunks [B, h, c] whether a chunk
-        holds a selected row. Returns (slot [B, h, c] of each chunk (S for none), hit [B, h, c], miss [B, h, c],
-        miss_number [B, h, c]: a miss's number among the head's misses in selection order, from 0).
+    def place(self, layer, starts, chunks, chunk: int, blocks: int = 0):
+        """Where this step's chunks go, for one layer: starts [B, h, c] first rows of chunks of `chunk` rows,
+        chunks [B, h, c] whether a chunk holds a selected row; blocks: the store's rows in chunks when every start
+        is a multiple of `chunk` (`Selection.aligned`), else 0. Returns (slot [B, h, c] of each chunk (S for
+        none), hit [B, h, c], miss [B, h, c], miss_number [B, h, c]: a miss's number among the head's misses in
+        selection order, from 0).
 
         A chunk hits when a slot holds it and selected it in the last R steps; the k-th miss (in selection order)
         takes the k-th free slot (no hit of this step in it), least recently used first (R = 1: in slot order, as
-        every free slot is then outside the last step). Comparison matrices ([c, S] and, for R > 1, [S, S] per
-        head) and running counts: on a CPU several times cheaper than sorts, argmaxes or scatters of these small
-        arrays."""
+        every free slot is then outside the last step). Small scatters and running counts (a product with a
+        triangular matrix): on a CPU several times cheaper than sorts or argmaxes of these small arrays, and
+        cheaper than [c, S] comparison matrices (RESULTS.md)."""
         at = lambda x: jax.lax.dynamic_index_in_dim(x, layer, keepdims=False)  # noqa: E731
         ids, last_used, now = at(self.ids), at(self.last_used), at(self.step)
         S = ids.shape[-1]
         slots = jnp.arange(S, dtype=jnp.int32)
-        same = ((starts[..., :, None] == ids[..., None, :]) & (last_used >= now - self.steps)[..., None, :]
-                & chunks[..., None])  # [B, h, c, S]
-        hit_slot = jnp.min(jnp.where(same, slots, S), axis=-1)  # S: no slot holds it
+        recent = (last_used >= now - self.steps) & (ids >= 0)  # [B, h, S] slots a chunk may hit
+        each_head = lambda f, *x: jax.vmap(jax.vmap(f))(*x)  # noqa: E731
+        if blocks:
+            # Aligned: a table of the slot holding each block (S: none), looked up by each chunk's block. A block
+            # sits in at most one recent slot (it hits there while recent, so it is never fetched twice).
+            held = jnp.where(recent, ids // chunk, blocks)
+            table = each_head(lambda b: jnp.full((blocks,), S, jnp.int32).at[b].set(slots, mode="drop"), held)
+            looked_up = jnp.take_along_axis(table, jnp.clip(starts // chunk, 0, blocks - 1), axis=-1)
+            hit_slot = jnp.where(chunks, looked_up, S)
+        else:  # a chunk may start at any row: compare every chunk with every slot, [B, h, c, S]
+            same = (starts[..., :, None] == ids[..., None, :]) & recent[..., None, :] & chunks[..., None]
+            hit_slot = jnp.min(jnp.where(same, slots, S), axis=-1)
         hit = hit_slot < S
-        taken = jnp.any(same, axis=-2)  # [B, h, S]
+        taken = each_head(lambda s: jnp.zeros((S,), bool).at[s].set(True, mode="drop"), hit_slot)  # [B, h, S]
         if self.steps == 1:
             rank = running_count(~taken) - 1  # free slot s is free number rank[s]
         else:  # ordered by (last use, slot)
@@ -162,9 +173,9 @@ class RecallCache:
         rank = jnp.where(taken, S, rank)
         miss = chunks & ~hit
         miss_number = running_count(miss) - 1
-        # The free slot whose rank is the miss's number among the misses.
-        is_slot = rank[..., None, :] == miss_number[..., :, None]  # [B, h, c, S]
-        miss_slot = jnp.sum(jnp.where(is_slot, slots, 0), axis=-1)
+        # The free slot whose rank is the miss's number among the misses: the free slots listed in rank order.
+        free = each_head(lambda r: jnp.full((S,), S, jnp.int32).at[r].set(slots, mode="drop"), rank)
+        miss_slot = jnp.take_along_axis(free, jnp.clip(miss_number, 0, S - 1), axis=-1)
         return jnp.where(hit, hit_slot, jnp.where(miss, miss_slot, S)).astype(jnp.int32), hit, miss, miss_number
 
 
@@ -348,7 +359,8 @@ class HostLayer(LayerView):
                             fetched=count(rc.fetched, float(B * h * c * chunk)))
             return k, v, selection.flat_mask(), HostLayer(self.store.replace(recall=rc), at, self.positions)
 
-        slot, hit, miss, miss_number = rc.place(at, starts, chunks)
+        blocks = -(-self.store.capacity // chunk) if selection.aligned else 0
+        slot, hit, miss, miss_number = rc.place(at, starts, chunks, chunk, blocks)
         S, K = rc.ids.shape[-1], rc.k.shape[2]
         n = fetch_size(h // K * c)
         kv_slot, miss_starts, miss_slots, kv_misses = pack_misses(starts, slot, miss, miss_number, K, S, n)

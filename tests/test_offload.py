@@ -108,17 +108,23 @@ def numpy_cache_simulation(selections, R, kv_heads, fetch_size):
     return hits, total, fetched
 
 
-@pytest.mark.parametrize("R", [1, 2, 3])
-def test_recall_cache_matches_numpy_simulation_and_returns_host_rows(R):
+@pytest.mark.parametrize("R, chunk, aligned", [(1, 1, False), (2, 1, False), (3, 1, False), (1, 1, True),
+                                               (3, 1, True), (1, 4, True), (2, 4, True), (2, 4, False)])
+def test_recall_cache_matches_numpy_simulation_and_returns_host_rows(R, chunk, aligned):
+    """Chunks of `chunk` rows starting at multiples of it; `aligned` says so (the cache then looks them up in a
+    table by block, else it compares every chunk with every slot): the same hits, rows and moves either way."""
     rng = np.random.default_rng(R)
-    B, K, h, S, M, H = 2, 2, 4, 64, 12, 16
-    store = HostKV.create(1, B, K, S, H, jnp.float32, window=16, selection_shape=(B, h, M, 1), cache_steps=R)
+    B, K, h, M, H = 2, 2, 4, 12, 16
+    S = 64 * chunk
+    store = HostKV.create(1, B, K, S, H, jnp.float32, window=16, selection_shape=(B, h, M, chunk), cache_steps=R)
     store = store.replace(k=offload.to_host(jnp.asarray(rng.normal(size=(1, B, K, S, H)), jnp.float32)),
                           v=offload.to_host(jnp.asarray(rng.normal(size=(1, B, K, S, H)), jnp.float32)))
 
     @jax.jit
-    def step(store, idx, mask):
-        k, v, got_mask, view = store.layer(jnp.int32(0)).read(Selection.of_rows(idx, mask))
+    def step(store, idx, mask):  # idx [B, h, M] chunk numbers, mask [B, h, M] whole chunks selected
+        selection = Selection(starts=idx * chunk, mask=jnp.broadcast_to(mask[..., None], (*mask.shape, chunk)),
+                              chunk=chunk, aligned=aligned)
+        k, v, got_mask, view = store.layer(jnp.int32(0)).read(selection)
         return k, v, got_mask, view.store
 
     selections = []
@@ -129,15 +135,17 @@ def test_recall_cache_matches_numpy_simulation_and_returns_host_rows(R):
         k, v, got_mask, store = step(store, jnp.asarray(idx, jnp.int32), jnp.asarray(mask))
         hk, hv = np.asarray(offload.to_device(store.k))[0], np.asarray(offload.to_device(store.v))[0]
         kv_head = np.arange(h) // (h // K)
-        assert_same_rows(k, got_mask, hk[np.arange(B)[:, None, None], kv_head[None, :, None], idx], mask)
-        assert_same_rows(v, got_mask, hv[np.arange(B)[:, None, None], kv_head[None, :, None], idx], mask)
+        rows = (idx[..., None] * chunk + np.arange(chunk)).reshape(B, h, M * chunk)
+        row_mask = np.repeat(mask, chunk, axis=-1)
+        assert_same_rows(k, got_mask, hk[np.arange(B)[:, None, None], kv_head[None, :, None], rows], row_mask)
+        assert_same_rows(v, got_mask, hv[np.arange(B)[:, None, None], kv_head[None, :, None], rows], row_mask)
         selections.append((idx, mask))
     hits, total, fetched = numpy_cache_simulation(selections, R, K, offload.fetch_size(h // K * M))
-    assert (int(store.recall.hits[0]), int(store.recall.selected[0])) == (hits, total)
+    assert (int(store.recall.hits[0]), int(store.recall.selected[0])) == (hits * chunk, total * chunk)
     # Only whole rounds of a KV head's packed misses move: the rows the NumPy rounds count.
-    assert int(store.recall.fetched[0]) == fetched
+    assert int(store.recall.fetched[0]) == fetched * chunk
     assert 0 < hits < total
-    # Selecting the last step's tokens again hits everything: nothing moves.
+    # Selecting the last step's chunks again hits everything: nothing moves.
     before = float(store.recall.fetched[0])
     _, _, _, store = step(store, jnp.asarray(idx, jnp.int32), jnp.asarray(mask))
     assert float(store.recall.fetched[0]) == before
