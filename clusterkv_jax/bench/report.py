@@ -68,9 +68,9 @@ def format_attention(results: dict[str, Any]) -> str:
             if "select_in_step_ms" in r:
                 alone = row[f"{name} select"]
                 lines.append(f"{name} at {c}: select alone {alone['ms']:.2f} ms "
-                             f"({alone['share_of_policy_attention']:.0%} of the step), in the step {r['select_in_step_ms']:.2f} ms "
-                             f"({r['select_share_in_step']:.0%}: the step {r['ms']:.2f} ms, given the selection "
-                             f"{r['given_selection_ms']:.2f} ms)")
+                             f"({alone['share_of_policy_attention']:.0%} of the step), "
+                             f"in the step {r['select_in_step_ms']:.2f} ms ({r['select_share_in_step']:.0%}: "
+                             f"the step {r['ms']:.2f} ms, given the selection {r['given_selection_ms']:.2f} ms)")
     return "\n".join(lines)
 
 
