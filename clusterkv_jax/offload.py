@@ -150,19 +150,23 @@ class RecallCache:
         S = ids.shape[-1]
         slots = jnp.arange(S, dtype=jnp.int32)
         recent = (last_used >= now - self.steps) & (ids >= 0)  # [B, h, S] slots a chunk may hit
-        each_head = lambda f, *x: jax.vmap(jax.vmap(f))(*x)  # noqa: E731
+
+        def listed(size, fill, where, values):  # [B, h, size]: each head's values at its entries `where` (else fill)
+            put = lambda w, x: jnp.full((size,), fill, x.dtype).at[w].set(x, mode="drop")  # noqa: E731
+            return jax.vmap(jax.vmap(put))(where, jnp.broadcast_to(values, where.shape))
+
         if blocks:
             # Aligned: a table of the slot holding each block (S: none), looked up by each chunk's block. A block
             # sits in at most one recent slot (it hits there while recent, so it is never fetched twice).
             held = jnp.where(recent, ids // chunk, blocks)
-            table = each_head(lambda b: jnp.full((blocks,), S, jnp.int32).at[b].set(slots, mode="drop"), held)
+            table = listed(blocks, S, held, slots)
             looked_up = jnp.take_along_axis(table, jnp.clip(starts // chunk, 0, blocks - 1), axis=-1)
             hit_slot = jnp.where(chunks, looked_up, S)
         else:  # a chunk may start at any row: compare every chunk with every slot, [B, h, c, S]
             same = (starts[..., :, None] == ids[..., None, :]) & recent[..., None, :] & chunks[..., None]
             hit_slot = jnp.min(jnp.where(same, slots, S), axis=-1)
         hit = hit_slot < S
-        taken = each_head(lambda s: jnp.zeros((S,), bool).at[s].set(True, mode="drop"), hit_slot)  # [B, h, S]
+        taken = listed(S, False, hit_slot, True)  # [B, h, S]
         if self.steps == 1:
             rank = running_count(~taken) - 1  # free slot s is free number rank[s]
         else:  # ordered by (last use, slot)
@@ -174,7 +178,7 @@ class RecallCache:
         miss = chunks & ~hit
         miss_number = running_count(miss) - 1
         # The free slot whose rank is the miss's number among the misses: the free slots listed in rank order.
-        free = each_head(lambda r: jnp.full((S,), S, jnp.int32).at[r].set(slots, mode="drop"), rank)
+        free = listed(S, S, rank, slots)
         miss_slot = jnp.take_along_axis(free, jnp.clip(miss_number, 0, S - 1), axis=-1)
         return jnp.where(hit, hit_slot, jnp.where(miss, miss_slot, S)).astype(jnp.int32), hit, miss, miss_number
 
