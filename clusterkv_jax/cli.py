@@ -227,6 +227,9 @@ def _add_policy_flags(parser) -> None:
                              "(default: ClusterKV's)")
     parser.add_argument("--kmeans-iters", type=_positive_int, default=None, metavar="N",
                         help="ClusterKV: K-means iterations at most (default: ClusterKV's max_iters)")
+    parser.add_argument("--kmeans-seed", type=_nonnegative_int, default=None, metavar="N",
+                        help="ClusterKV: seed of the K-means init (default: ClusterKV's, 0); at B=1024 perplexity "
+                             "moves by a few hundredths between seeds (RESULTS.md), so compare like with like")
     parser.add_argument("--score", choices=["dot", "density"], default=None,
                         help="ClusterKV's cluster score (default: ClusterKV's, 'dot' = q·mu as in the paper)")
     parser.add_argument("--block-refine", type=_positive_int, default=None, metavar="F",
@@ -246,6 +249,8 @@ def _policy_options(args) -> dict:
         clusterkv["kmeans_tol"] = args.kmeans_tol
     if args.kmeans_iters is not None:
         clusterkv["max_iters"] = args.kmeans_iters
+    if args.kmeans_seed is not None:
+        clusterkv["seed"] = args.kmeans_seed
     if args.score is not None:
         clusterkv["score"] = args.score
     if args.block_refine is not None:

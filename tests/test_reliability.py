@@ -252,11 +252,11 @@ def test_policy_flags_build_the_policies_they_name():
     args = build_parser().parse_args(
         ["eval", "recall", "--model", "m", "--text", "t", "--policies", "clusterkv,quest,snapkv,infinigen",
          "--score", "density", "--block-refine", "4", "--tokens-per-cluster", "40", "--block-size", "4",
-         "--quest-sinks", "16", "--gqa", "shared"])
+         "--quest-sinks", "16", "--gqa", "shared", "--kmeans-seed", "3"])
     options = _policy_options(args)
     built = {name: make_policy(name, 512, **options.get(name, {})) for name in args.policies}
     assert built == {"clusterkv": ClusterKV(budget=512, score="density", block_refine=4, tokens_per_cluster=40,
-                                            block_size=4, gqa="shared"),
+                                            block_size=4, gqa="shared", seed=3),
                      "quest": Quest(budget=512, sinks=16), "snapkv": SnapKV(budget=512),
                      "infinigen": InfiniGen(budget=512)}
     with pytest.raises(SystemExit):  # argparse's one-line usage error
