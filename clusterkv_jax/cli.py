@@ -242,23 +242,19 @@ def _add_policy_flags(parser) -> None:
                         help="Quest: always select the pages of the first N tokens (0: none, as in the Quest paper)")
 
 
+#: ClusterKV's optional flags (argparse dest -> constructor field).
+_CLUSTERKV_FLAGS = {"kmeans_tol": "kmeans_tol", "kmeans_iters": "max_iters", "kmeans_seed": "seed", "score": "score",
+                    "block_refine": "block_refine", "tokens_per_cluster": "tokens_per_cluster",
+                    "block_size": "block_size"}
+
+
 def _policy_options(args) -> dict:
     """Per-policy constructor options from the flags of `_add_policy_flags`."""
     clusterkv = dict(gqa=args.gqa, init=args.init)
-    if args.kmeans_tol is not None:
-        clusterkv["kmeans_tol"] = args.kmeans_tol
-    if args.kmeans_iters is not None:
-        clusterkv["max_iters"] = args.kmeans_iters
-    if args.kmeans_seed is not None:
-        clusterkv["seed"] = args.kmeans_seed
-    if args.score is not None:
-        clusterkv["score"] = args.score
-    if args.block_refine is not None:
-        clusterkv["block_refine"] = args.block_refine
-    if args.tokens_per_cluster is not None:
-        clusterkv["tokens_per_cluster"] = args.tokens_per_cluster
-    if args.block_size is not None:
-        clusterkv["block_size"] = args.block_size
+    # Flags left unset keep ClusterKV's own defaults.
+    for flag, field in _CLUSTERKV_FLAGS.items():
+        if getattr(args, flag) is not None:
+            clusterkv[field] = getattr(args, flag)
     return {"clusterkv": clusterkv, "quest": dict(sinks=args.quest_sinks)}
 
 
