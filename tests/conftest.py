@@ -8,6 +8,9 @@ import os
 
 import pytest
 
+# Sets clusterkv_jax's XLA:CPU flags (clusterkv_jax/__init__.py) before any test module can start JAX's backends.
+import clusterkv_jax  # noqa: E402, F401
+
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

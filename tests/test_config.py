@@ -65,15 +65,21 @@ def test_load_model_errors(tmp_path):
         load_model(tmp_path)
 
 
+SCHEDULER = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+YNN = "--xla_cpu_experimental_ynn_fusion_type=reduce"
+
+
 @pytest.mark.parametrize("env, want", [
-    ({}, "--xla_cpu_enable_concurrency_optimized_scheduler=false"),
+    ({}, f"{SCHEDULER} {YNN}"),
     ({"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
-     "--xla_force_host_platform_device_count=2 --xla_cpu_enable_concurrency_optimized_scheduler=false"),
+     f"--xla_force_host_platform_device_count=2 {SCHEDULER} {YNN}"),
     ({"XLA_FLAGS": "--xla_cpu_enable_concurrency_optimized_scheduler=true"},
-     "--xla_cpu_enable_concurrency_optimized_scheduler=true"),  # the user's choice is kept
+     f"--xla_cpu_enable_concurrency_optimized_scheduler=true {YNN}"),  # the user's choice is kept
+    ({"XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type="},
+     f"--xla_cpu_experimental_ynn_fusion_type= {SCHEDULER}"),  # here too
     ({"CLUSTERKV_KEEP_XLA_FLAGS": "1"}, ""),  # opted out: nothing added
 ])
-def test_import_adds_the_cpu_scheduler_flag_unless_told_otherwise(env, want):
+def test_import_adds_the_cpu_flags_unless_told_otherwise(env, want):
     import subprocess
     import sys
 
