@@ -67,23 +67,46 @@ def test_load_model_errors(tmp_path):
 
 SCHEDULER = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 YNN = "--xla_cpu_experimental_ynn_fusion_type=reduce"
+AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma"})
+AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl"}
 
 
-@pytest.mark.parametrize("env, want", [
-    ({}, f"{SCHEDULER} {YNN}"),
-    ({"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+@pytest.mark.parametrize("flags, machine, features, want", [
+    ("", "x86_64", AVX2, f"{SCHEDULER} {YNN}"),  # YNNPACK's dots were the inaccurate ones on AVX2
+    ("", "x86_64", AVX512, SCHEDULER),  # and as good as NumPy's, and faster, with AVX-512
+    ("", "AMD64", AVX2, f"{SCHEDULER} {YNN}"),
+    ("", "aarch64", frozenset({"fp", "asimd"}), SCHEDULER),  # not measured: jaxlib's default
+    ("", "x86_64", frozenset(), SCHEDULER),  # features unknown: jaxlib's default
+    ("--xla_force_host_platform_device_count=2", "x86_64", AVX2,
      f"--xla_force_host_platform_device_count=2 {SCHEDULER} {YNN}"),
-    ({"XLA_FLAGS": "--xla_cpu_enable_concurrency_optimized_scheduler=true"},
+    ("--xla_cpu_enable_concurrency_optimized_scheduler=true", "x86_64", AVX2,
      f"--xla_cpu_enable_concurrency_optimized_scheduler=true {YNN}"),  # the user's choice is kept
-    ({"XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type="},
+    ("--xla_cpu_experimental_ynn_fusion_type=", "x86_64", AVX2,
      f"--xla_cpu_experimental_ynn_fusion_type= {SCHEDULER}"),  # here too
-    ({"CLUSTERKV_KEEP_XLA_FLAGS": "1"}, ""),  # opted out: nothing added
 ])
-def test_import_adds_the_cpu_flags_unless_told_otherwise(env, want):
+def test_cpu_flags_added_by_machine_unless_set(flags, machine, features, want):
+    from clusterkv_jax import _with_cpu_flags
+
+    assert _with_cpu_flags(flags, machine, features) == want
+
+
+def _xla_flags_after_import(env: dict[str, str]) -> str:
     import subprocess
     import sys
 
     base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "CLUSTERKV_KEEP_XLA_FLAGS")}
-    out = subprocess.run([sys.executable, "-c", "import os, clusterkv_jax; print(os.environ.get('XLA_FLAGS', ''))"],
-                         env={**base, **env}, capture_output=True, text=True, check=True).stdout.strip()
-    assert out == want
+    return subprocess.run([sys.executable, "-c", "import os, clusterkv_jax; print(os.environ.get('XLA_FLAGS', ''))"],
+                          env={**base, **env}, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_import_adds_this_machines_cpu_flags_unless_told_otherwise():
+    import platform
+
+    # This machine's features, read apart from clusterkv_jax.
+    flags_lines = [line for line in open("/proc/cpuinfo") if line.startswith("flags")] if os.path.exists(
+        "/proc/cpuinfo") else []
+    features = set(flags_lines[0].split(":")[1].split()) if flags_lines else set()
+    avx2_only = platform.machine() in ("x86_64", "AMD64") and bool(features) and "avx512f" not in features
+    want = f"--xla_force_host_platform_device_count=2 {SCHEDULER}" + (f" {YNN}" if avx2_only else "")
+    assert _xla_flags_after_import({"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}) == want
+    assert _xla_flags_after_import({"CLUSTERKV_KEEP_XLA_FLAGS": "1"}) == ""  # opted out: nothing added
