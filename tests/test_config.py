@@ -102,11 +102,12 @@ def _xla_flags_after_import(env: dict[str, str]) -> str:
 def test_import_adds_this_machines_cpu_flags_unless_told_otherwise():
     import platform
 
-    # This machine's features, read apart from clusterkv_jax.
-    flags_lines = [line for line in open("/proc/cpuinfo") if line.startswith("flags")] if os.path.exists(
-        "/proc/cpuinfo") else []
-    features = set(flags_lines[0].split(":")[1].split()) if flags_lines else set()
-    avx2_only = platform.machine() in ("x86_64", "AMD64") and bool(features) and "avx512f" not in features
-    want = f"--xla_force_host_platform_device_count=2 {SCHEDULER}" + (f" {YNN}" if avx2_only else "")
-    assert _xla_flags_after_import({"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}) == want
+    from clusterkv_jax import _cpu_features, _with_cpu_flags
+
+    if platform.machine() in ("x86_64", "AMD64") and os.path.exists("/proc/cpuinfo"):
+        assert {"sse2", "fpu"} <= _cpu_features()  # every x86-64 CPU lists these
+    user = "--xla_force_host_platform_device_count=2"
+    want = _with_cpu_flags(user, platform.machine(), _cpu_features())  # the rule itself is tested above
+    assert want.startswith(f"{user} {SCHEDULER}")
+    assert _xla_flags_after_import({"XLA_FLAGS": user}) == want
     assert _xla_flags_after_import({"CLUSTERKV_KEEP_XLA_FLAGS": "1"}) == ""  # opted out: nothing added
