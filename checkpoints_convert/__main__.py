@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from checkpoints_convert import DTYPES, convert_gguf, convert_hf
-from clusterkv_jax.cli import run_reporting_errors
+from clusterkv_jax.commands import run_reporting_errors
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,16 +7,13 @@ import platform
 # only (per-program compiler options do not reach the scheduler), so they take effect only if JAX has not started
 # its backends yet; GPU and TPU ignore xla_cpu_* flags. Set CLUSTERKV_KEEP_XLA_FLAGS=1 to leave XLA_FLAGS alone.
 #
-# The concurrency-optimized HLO scheduler runs independent fusions side by side; on few cores (2 on the
-# development machine, and on Colab's CPU runtime) that made the row gathers of a decode step 3-4x slower (one
-# Llama-3-8B layer, ClusterKV at 8k: 24.1 -> 8.0 ms; full attention unchanged).
+# The concurrency-optimized HLO scheduler runs independent fusions side by side; on few cores (the development
+# machines, Colab's CPU runtime) that made the row gathers of a decode step several times slower.
 _SCHEDULER_FLAG = ("xla_cpu_enable_concurrency_optimized_scheduler", "false")
 # On x86 CPUs without AVX-512 only: YNNPACK library fusions for reductions only, so float32 dots run on XLA's own
-# kernels. jaxlib 0.10.2 sends dots to YNNPACK. On an AVX2 AMD EPYC its errors on SmolLM2's MLP down projections
-# were 3-9x NumPy's, and the 512-token logits 2.1e-3 from a float64 HF forward (HF float32: 1.4e-4); with this
-# flag 8.8e-5, for decode steps 2-4% slower. On an AVX-512 Intel Xeon, YNNPACK's dots erred within 1.5x of NumPy's
-# (logits 1.4e-4 from float64; with the flag, 4.5e-4), and the flag cost full-KV decode steps 22% and prefill
-# 3-5% (RESULTS.md, "YNNPACK's dots by CPU").
+# kernels. jaxlib 0.10.2 sends dots to YNNPACK, whose float32 dots erred several times more than NumPy's on
+# an AVX2 machine (enough to move SmolLM2's logits past HF's), while on AVX-512 they were as accurate and faster
+# than XLA's (README, "On CPU"; RESULTS.md, "YNNPACK's dots by CPU").
 _YNN_FLAG = ("xla_cpu_experimental_ynn_fusion_type", "reduce")
 
 
@@ -52,6 +49,7 @@ from clusterkv_jax.generate import GenerationResult, decode_step, generate, pref
 from clusterkv_jax.loading import Model, load_model  # noqa: E402
 from clusterkv_jax.policies import (  # noqa: E402
     ClusterKV, FullKV, InfiniGen, KVPolicy, OracleTopK, Quest, SnapKV, StreamingLLM)
+from clusterkv_jax.selection import Selection  # noqa: E402
 from clusterkv_jax.tokenizer import Tokenizer  # noqa: E402
 
 __all__ = [
@@ -68,6 +66,7 @@ __all__ = [
     "Model",
     "ModelConfig",
     "RopeScaling",
+    "Selection",
     "Tokenizer",
     "decode_step",
     "generate",

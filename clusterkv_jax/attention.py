@@ -96,14 +96,20 @@ def causal_attention_over_rows(q: jax.Array, k_rows: jax.Array, v_rows: jax.Arra
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array) -> jax.Array:
     """One query per sequence over its whole cache: q [B, N, H], k and v [B, K, S, H], lengths [B]
     (tokens valid in the cache, the current one included) -> [B, N, H] (float32)."""
+    S = k.shape[2]
+    return rows_attention(q, k, v, (jnp.arange(S)[None, :] < lengths[:, None])[:, None])
+
+
+def rows_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """One query per head over the rows of its KV head where mask [B, 1 or K, R]: q [B, N, H], k and v
+    [B, K, R, H] -> [B, N, H] (float32)."""
     B, N, H = q.shape
-    K, S = k.shape[1], k.shape[2]
+    K = k.shape[1]
     # [B, K, G, H]
     qg = q.reshape(B, K, N // K, H)
-    # [B, K, G, S]
+    # [B, K, G, R]
     scores = jnp.einsum("BKGH,BKSH->BKGS", qg, k, preferred_element_type=jnp.float32) / (H ** 0.5)
-    mask = (jnp.arange(S)[None, :] < lengths[:, None])[:, None, None, :]
-    out = _softmax_weighted_sum(scores, mask, v, "BKGS,BKSH->BKGH")
+    out = _softmax_weighted_sum(scores, mask[:, :, None, :], v, "BKGS,BKSH->BKGH")
     return out.reshape(B, N, H)
 
 

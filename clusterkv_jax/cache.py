@@ -8,7 +8,7 @@ per group, so buffers exist only where they are used: no policy state for full l
 device layers.
 
 Everything is capacity-padded: rows at or past `lengths[b]` of sequence b are padding. Donate the cache to the
-step that consumes it.
+step that consumes it. Every array declares its logical axes and memory (`clusterkv_jax.axes`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from clusterkv_jax import axes
 from clusterkv_jax.config import ModelConfig
-from clusterkv_jax.offload import HostKV
+from clusterkv_jax.offload import HostKV, host_memory_kind
 from clusterkv_jax.store import DeviceKV
 
 
@@ -48,7 +49,7 @@ class LayerGroup:
     """Layers [start, start + n) with one placement: their store and (selecting layers) the policy's state."""
 
     store: Any  # DeviceKV or HostKV, arrays [n, B, K, S, H]
-    state: Any  # the policy's state, every leaf with a leading [n] axis; None for full layers
+    state: Any = axes.stacked()  # the policy's state, every leaf with a leading [n] axis; None for full layers
     start: int = flax.struct.field(pytree_node=False)
     selecting: bool = flax.struct.field(pytree_node=False)
 
@@ -66,8 +67,8 @@ class KVCache:
     """The model's KV, grouped (see the module docstring), and per-sequence lengths."""
 
     groups: tuple[LayerGroup, ...]
-    lengths: jax.Array  # [B] int32: tokens stored (prompt + generated)
-    prompt_lengths: jax.Array  # [B] int32: tokens that came from the prompt
+    lengths: jax.Array = axes.field("batch")  # [B] int32: tokens stored (prompt + generated)
+    prompt_lengths: jax.Array = axes.field("batch")  # [B] int32: tokens that came from the prompt
     capacity: int = flax.struct.field(pytree_node=False, default=0)  # S: positions each sequence can hold
 
     @property
@@ -128,7 +129,7 @@ def init_cache(config: ModelConfig, policy, batch_size: int, capacity: int, dtyp
         elif plan.selecting:
             store = HostKV.create(n, B, K, rows, H, dtype, window=policy.window_size(capacity),
                                   selection_shape=policy.selection_shape(config, B, capacity),
-                                  cache_steps=policy.cache_steps)
+                                  recall_steps=policy.recall_steps)
         else:
             store = HostKV.create(n, B, K, rows, H, dtype)
         state = policy.init_states(config, B, capacity, range(plan.start, plan.stop)) if plan.selecting else None
@@ -139,10 +140,10 @@ def init_cache(config: ModelConfig, policy, batch_size: int, capacity: int, dtyp
 
 
 def memory_kinds(cache: KVCache) -> KVCache:
-    """The cache with every array replaced by its memory kind ("device", or the host kind of HostKV arrays)."""
-    groups = tuple(g.replace(store=g.store.memory_kinds(), state=jax.tree.map(lambda _: "device", g.state))
-                   for g in cache.groups)
-    return cache.replace(groups=groups, lengths="device", prompt_lengths="device")  # capacity: static
+    """The cache with every array replaced by its memory kind: "device", or the host kind for arrays declared in
+    host memory (where the backend has one)."""
+    host = host_memory_kind() or "device"
+    return jax.tree.map(lambda a: host if a.host else "device", axes.of(cache))
 
 
 def kv_bytes(cache: KVCache) -> dict[str, int]:
@@ -153,64 +154,3 @@ def kv_bytes(cache: KVCache) -> dict[str, int]:
         for kind, n in g.store.nbytes().items():
             total[kind] += n
     return total
-
-
-def observe_prompt_queries(policy, group: LayerGroup, state, q: jax.Array, start, lengths: jax.Array):
-    """Prefill of a selecting layer: hands the policy those of the queries q [B, T, N, H] (positions
-    [start, start + T)) that lie among each prompt's last `policy.prompt_queries` tokens. Returns the state."""
-    n = policy.prompt_queries
-    if not (group.selecting and n):
-        return state
-    T = q.shape[1]
-    positions = lengths[:, None] - n + jnp.arange(n, dtype=jnp.int32)  # [B, n]
-    offsets = positions - start
-    found = (positions >= 0) & (offsets >= 0) & (offsets < T)
-    rows = jnp.take_along_axis(q, jnp.clip(offsets, 0, T - 1)[:, :, None, None], axis=1)  # [B, n, N, H]
-    return policy.observe_queries(state, jnp.swapaxes(rows, 1, 2).astype(jnp.float32), found)
-
-
-def write_prompt_layer(policy, group: LayerGroup, store, state, i, k_rows, v_rows, lengths, capacity: int):
-    """What prefill does with layer i of `group` once its K/V are computed: in a selecting group, let the policy
-    index the keys; store the prompt's K/V [B, K, T, H] as rows [0, T), or where the policy's layout puts each
-    position (`prompt_rows`). Returns (store, state)."""
-    if not group.selecting:
-        return store.write_prompt(i, k_rows, v_rows), state
-    T = k_rows.shape[2]
-    pad = ((0, 0), (0, 0), (0, capacity - T), (0, 0))
-    with jax.named_scope("index"):
-        # The policy sees this layer's keys [B, K, S, H] (rows >= lengths are padding), in the store's dtype.
-        keys = jnp.pad(k_rows.astype(store.k.dtype), pad)
-        state = policy.after_prefill(state, keys, lengths)
-    layout = policy.prompt_rows(state)  # [B, K, R] position of each row, or None: row = position
-    if layout is None:
-        return store.write_prompt(i, k_rows, v_rows), state
-    with jax.named_scope("layout"):
-        held = (layout >= 0)[..., None]
-        rows = jnp.clip(layout, 0, capacity - 1)[..., None]
-        k = jnp.where(held, jnp.take_along_axis(keys, rows, axis=2), 0)
-        v = jnp.where(held, jnp.take_along_axis(jnp.pad(v_rows.astype(store.v.dtype), pad), rows, axis=2), 0)
-    return store.write_layer(i, k, v), state
-
-
-@functools.partial(jax.jit, static_argnames=("policy",), donate_argnames=("cache",))
-def write_prompt(cache: KVCache, keys: jax.Array, values: jax.Array, lengths: jax.Array, *, policy) -> KVCache:
-    """An empty cache filled as a prefill of a prompt with these K/V [L, B, K, T, H] would fill it (its
-    attention outputs are not needed): the stores hold the rows, the policy has indexed the selecting layers.
-    Not for policies that index by the prompt's queries (`prompt_queries`): it has none to give them."""
-    if policy.prompt_queries:
-        raise ValueError(f"{type(policy).__name__} indexes the prompt by its queries; write_prompt has only keys "
-                         "and values (run a prefill instead)")
-    groups = []
-    for group in cache.groups:
-        def body(store, xs, group=group):
-            i, state, k, v = xs
-            store, state = write_prompt_layer(policy, group, store, state, i, k, v, lengths, cache.capacity)
-            return store, state
-
-        n = group.num_layers
-        layers = slice(group.start, group.start + n)
-        store, state = jax.lax.scan(body, group.store, (jnp.arange(n, dtype=jnp.int32), group.state,
-                                                        keys[layers], values[layers]))
-        groups.append(group.replace(store=store, state=state))
-    lengths = lengths.astype(jnp.int32)
-    return cache.replace(groups=tuple(groups), lengths=lengths, prompt_lengths=lengths)

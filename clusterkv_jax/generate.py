@@ -7,6 +7,7 @@ step. Sampling settings are traced values: changing temperature / top-k / top-p 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -25,6 +26,24 @@ from clusterkv_jax.ops import sharded_trace
 from clusterkv_jax.policies import FullKV, KVPolicy
 
 CAPACITY_MULTIPLE = 128
+#: The event jax records for each program it compiles (`jax.monitoring`).
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def counting_compiles():
+    """Counts the programs jax compiles inside the block: yields a list whose one item is the count so far."""
+    count = [0]
+
+    def listener(event: str, duration: float, **kwargs) -> None:
+        if event == COMPILE_EVENT:
+            count[0] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield count
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -390,20 +409,21 @@ def generate(
     if cache_dtype is None:
         cache_dtype = jax.tree_util.tree_leaves(model.params)[0].dtype
 
-    compiles_before = start_generation._cache_size() + decode_generation._cache_size()
-    start = time.perf_counter()
-    loop = start_generation(
-        params, tokens_in, lengths_in, sampling, jax.random.PRNGKey(seed), jnp.asarray(eos_ids), jnp.int32(pad_id),
-        config=config, policy=policy, max_new_tokens=max_new_tokens, capacity=cache_capacity(bucket, max_new_tokens),
-        cache_dtype=jnp.dtype(cache_dtype), sharding=rules, prefill_chunk=prefill_chunk,
-    )
-    jax.block_until_ready(loop)
-    prefilled = time.perf_counter()
-    loop = decode_generation(params, loop, sampling, jnp.asarray(eos_ids), jnp.int32(pad_id), config=config,
-                             policy=policy, max_new_tokens=max_new_tokens, sharding=rules)
-    out, counts, cache = np.asarray(loop.out), np.asarray(loop.counts), loop.cache
-    end = time.perf_counter()
-    compiled = start_generation._cache_size() + decode_generation._cache_size() > compiles_before
+    with counting_compiles() as compiles:
+        start = time.perf_counter()
+        loop = start_generation(
+            params, tokens_in, lengths_in, sampling, jax.random.PRNGKey(seed), jnp.asarray(eos_ids),
+            jnp.int32(pad_id), config=config, policy=policy, max_new_tokens=max_new_tokens,
+            capacity=cache_capacity(bucket, max_new_tokens), cache_dtype=jnp.dtype(cache_dtype), sharding=rules,
+            prefill_chunk=prefill_chunk,
+        )
+        jax.block_until_ready(loop)
+        prefilled = time.perf_counter()
+        loop = decode_generation(params, loop, sampling, jnp.asarray(eos_ids), jnp.int32(pad_id), config=config,
+                                 policy=policy, max_new_tokens=max_new_tokens, sharding=rules)
+        out, counts, cache = np.asarray(loop.out), np.asarray(loop.counts), loop.cache
+        end = time.perf_counter()
+    compiled = compiles[0] > 0
     generated = [out[i, : counts[i]].tolist() for i in range(n_prompts)]
     texts = None
     if model.tokenizer is not None:

@@ -21,8 +21,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from clusterkv_jax.ops import map_leading, per_shard, top_k_indices
-from pallas_kernels import centroid_update, centroid_update_reference, centroid_update_tpu
+from clusterkv_jax import kernels
+from clusterkv_jax.ops import map_leading, top_k_indices
 
 _EPS = 1e-12
 
@@ -81,22 +81,10 @@ def _assign(unit_keys, valid, directions, cluster_ok):
     return jnp.where(valid, labels, C)
 
 
-KERNEL_MODES = ("reference", "pallas", "interpret", "tpu")
-
-
-def _member_sums(labels, x, C, kernel: str = "reference"):
+def _member_sums(labels, x, C, impl: str = "reference"):
     """Per-cluster sums of x [P, N, H] and counts (float32) of the labels [P, N] (masked keys have label C: no
-    row), by `pallas_kernels.centroid_update`: the Pallas kernel ("pallas" on CUDA sm80+, "interpret" in Pallas
-    interpret mode on any device; per device shard under a mesh), its Mosaic version ("tpu") or its pure-jnp
-    reference ("reference")."""
-    if kernel == "reference":
-        sums, counts = centroid_update_reference(x, labels, C)
-    else:
-        if kernel == "tpu":
-            run = functools.partial(centroid_update_tpu, num_clusters=C)
-        else:
-            run = functools.partial(centroid_update, num_clusters=C, interpret=kernel == "interpret")
-        sums, counts = per_shard(lambda x, labels: run(x, labels), x, labels)
+    row), by `kernels.centroid_update` with implementation `impl` (`kernels.IMPLEMENTATIONS`)."""
+    sums, counts = kernels.centroid_update(x, labels, C, impl=impl)
     return sums, counts.astype(jnp.float32)
 
 
@@ -105,24 +93,25 @@ def cluster_mask(num_clusters: jax.Array, C: int) -> jax.Array:
     return jnp.arange(C) < num_clusters[..., None]
 
 
-@functools.partial(jax.jit, static_argnames=("max_iters", "kernel", "tol"))
+@functools.partial(jax.jit, static_argnames=("max_iters", "impl", "tol"))
 def kmeans_from_directions(
     keys: jax.Array,  # [P, N, H]
     valid: jax.Array,  # [P, N] bool
     num_clusters: jax.Array,  # [P] int32, <= C
     init_directions: jax.Array,  # [P, C, H]
     max_iters: int = 20,
-    kernel: str = "reference",
+    impl: str = "reference",
     tol: float = 0.0,
 ) -> KMeansResult:
     """Lloyd iterations under cosine similarity from given initial cluster directions. Each problem stops (and
     keeps its labels and directions) once at most a fraction `tol` of its valid keys changed cluster in an
-    iteration (0: none changed), or at `max_iters`; `iterations` is the most any problem ran."""
+    iteration (0: none changed), or at `max_iters`; `iterations` is the most any problem ran. `impl`: the
+    centroid update's implementation (`clusterkv_jax.kernels`)."""
     x, valid = _finite_keys(keys, valid)
-    return _lloyd(x, valid, num_clusters, init_directions, max_iters, kernel, tol)
+    return _lloyd(x, valid, num_clusters, init_directions, max_iters, impl, tol)
 
 
-def _lloyd(x, valid, num_clusters, init_directions, max_iters: int, kernel: str, tol: float) -> KMeansResult:
+def _lloyd(x, valid, num_clusters, init_directions, max_iters: int, impl: str, tol: float) -> KMeansResult:
     """`kmeans_from_directions` on keys already made finite (`_finite_keys`)."""
     C = init_directions.shape[-2]
     unit = _normalize(x)
@@ -131,7 +120,7 @@ def _lloyd(x, valid, num_clusters, init_directions, max_iters: int, kernel: str,
     labels = _assign(unit, valid, directions, ok)
 
     def update(labels, directions):
-        sums, counts = _member_sums(labels, unit, C, kernel)
+        sums, counts = _member_sums(labels, unit, C, impl)
         # An emptied cluster keeps its previous direction, so it stays a valid (finite) centroid.
         return jnp.where(counts[..., None] > 0, _normalize(sums), directions)
 
@@ -155,7 +144,7 @@ def _lloyd(x, valid, num_clusters, init_directions, max_iters: int, kernel: str,
 
     active = jnp.ones(valid.shape[:-1], bool)
     it, labels, directions, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), labels, directions, active))
-    sums, counts = _member_sums(labels, x, C, kernel)
+    sums, counts = _member_sums(labels, x, C, impl)
     centroids = jnp.where(counts[..., None] > 0, sums / jnp.maximum(counts, 1)[..., None], directions)
     return KMeansResult(labels, centroids, counts.astype(jnp.int32), directions, it)
 
@@ -200,7 +189,7 @@ def problem_keys(seed_key: jax.Array, P: int) -> jax.Array:
     return jax.vmap(lambda i: jax.random.fold_in(seed_key, i))(jnp.arange(P))
 
 
-@functools.partial(jax.jit, static_argnames=("max_clusters", "max_iters", "init", "kernel", "tol"))
+@functools.partial(jax.jit, static_argnames=("max_clusters", "max_iters", "init", "impl", "tol"))
 def cosine_kmeans(
     keys: jax.Array,  # [P, N, H]
     valid: jax.Array,  # [P, N] bool
@@ -210,7 +199,7 @@ def cosine_kmeans(
     max_clusters: int,
     max_iters: int = 20,
     init: str = "random",
-    kernel: str = "reference",
+    impl: str = "reference",
     tol: float = 0.0,
 ) -> KMeansResult:
     """Cosine K-means of each problem's valid keys into num_clusters[p] clusters (slots beyond stay empty),
@@ -223,7 +212,7 @@ def cosine_kmeans(
         directions = init_kmeans_plus_plus(keys, valid, max_clusters, rngs)
     else:
         raise ValueError(f"unknown init {init!r}; use 'random' or 'kmeans++'")
-    return _lloyd(keys, valid, num_clusters, directions, max_iters, kernel, tol)
+    return _lloyd(keys, valid, num_clusters, directions, max_iters, impl, tol)
 
 
 def cosine_objective(keys: jax.Array, valid: jax.Array, labels: jax.Array, directions: jax.Array) -> jax.Array:

@@ -2,10 +2,12 @@
 
 Parameters are a plain pytree (see `param_shapes`); every function here is pure and jit-able. Layers are
 stacked on a leading axis and run under `lax.scan`, so compile time does not grow with depth: one scan per
-group of the cache (`clusterkv_jax.cache`: the full layers, then the selecting layers, each group with its
-store on the device or in host memory), all over the same layer body. A group's store is carried through its
-scan whole and indexed by layer, so a decode step writes one row per layer in place instead of copying the
-cache. Norms, RoPE, softmax and logits are computed in float32.
+group of the cache (`clusterkv_jax.cache`), all over the same layer body. How a layer stores its K/V and
+attends (to every token, or to what a KV policy selects) is `clusterkv_jax.attend`'s: the model hands each
+layer's q, k, v to the step it runs (`attend.Prefill`, `attend.PrefillChunk`, `attend.Decode`) and knows nothing
+of the policy. A group's store is carried through its scan whole and indexed by layer, so a decode step writes
+one row per layer in place instead of copying the cache. Norms, RoPE, softmax and logits are computed in
+float32.
 
 Shapes: B batch, T tokens, S cache capacity, D hidden, N query heads, K KV heads, G = N // K, H head dim,
 F MLP width, V vocabulary, L layers.
@@ -19,14 +21,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from clusterkv_jax import attention
-from clusterkv_jax.cache import KVCache, LayerGroup, observe_prompt_queries, write_prompt_layer
+from clusterkv_jax import attend as attend_module
+from clusterkv_jax.attend import PREFILL_BLOCK
+from clusterkv_jax.cache import KVCache, LayerGroup
 from clusterkv_jax.config import ModelConfig
 
 Params = dict[str, Any]
-
-# Queries per block in prefill attention: bounds the [B, N, block, T] score tensor for long prompts.
-PREFILL_BLOCK = 512
 
 
 def param_shapes(config: ModelConfig) -> Params:
@@ -151,34 +151,36 @@ def _logits(params: Params, config: ModelConfig, x: jax.Array) -> jax.Array:
 
 
 def _layer(layer: Params, config: ModelConfig, x: jax.Array, positions: jax.Array, inv_freq: jax.Array, attend):
-    """One decoder layer. attend(q [B, T, N, H], k, v [B, T, K, H]) -> (attention output [B, T, N, H], extra)
-    stores the new K/V and attends (prefill or decode); returns (x after attention and MLP, extra)."""
+    """One decoder layer. attend(q [B, T, N, H], k, v [B, T, K, H]) -> (attention output [B, T, N, H], *extra)
+    stores the new K/V and attends; returns (x after attention and MLP, extra)."""
     h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
     q, k, v = _project_qkv(layer, h, positions, inv_freq)
-    attn, extra = attend(q, k, v)
+    attn, *extra = attend(q, k, v)
     return _output_and_mlp(layer, config, x, attn), extra
 
 
-def _scan_groups(params: Params, groups: tuple[LayerGroup, ...], x: jax.Array, step):
-    """Runs the layers group by group (one `lax.scan` each). step(group, layer params, i, x, store, state) ->
-    (x, store, state, changed) for layer i of the group, changed a traced bool saying whether the layer's state
-    changed (None: assume it did). Returns x and the groups with their new stores and states.
+def _run_layers(params: Params, config: ModelConfig, groups: tuple[LayerGroup, ...], x: jax.Array,
+                positions: jax.Array, step) -> tuple[jax.Array, tuple[LayerGroup, ...]]:
+    """Runs every layer on x [B, T, D] at positions [B, T], group by group (one `lax.scan` each); `step` (from
+    `clusterkv_jax.attend`) stores and attends. Returns x and the groups with their new stores and states.
 
     A group's stacked states ride in the scan's carry, like its store, and a layer's state is written back only
-    when it changed (on the CPU, under a `lax.cond`): most decode steps change no policy state (ClusterKV's
-    changes once every `decode_interval` steps), and writing every layer's state back each step, as the scan's
-    outputs did, took ~0.9 ms of a traced ~46 ms SmolLM2 step at 4k on the CPU (RESULTS.md). Elsewhere the write
-    always runs: a conditional that returns the carry may make XLA:GPU copy it whole (see
-    `LayerView.commit_window`)."""
+    when the step says it changed (on the CPU, under a `lax.cond`): most decode steps change no policy state, and
+    writing every layer's state back each step is a visible part of a small model's step on the CPU (RESULTS.md).
+    Elsewhere the write always runs: a conditional that returns the carry may make XLA:GPU copy it whole."""
+    inv_freq = rope_inv_freq(config)
     out = []
     for group in groups:
         def body(carry, i, group=group):
             x, store, states = carry
+
             def at(tree, index):
                 return jax.tree.map(lambda p: jax.lax.dynamic_index_in_dim(p, index, keepdims=False), tree)
 
             # Indexed inside the body (not scanned over a slice), so no group copies the weights.
-            x, store, state, changed = step(group, at(params["layers"], group.start + i), i, x, store, at(states, i))
+            layer, state = at(params["layers"], group.start + i), at(states, i)
+            x, (store, state, changed) = _layer(layer, config, x, positions, inv_freq,
+                                                lambda q, k, v: step.attend(group, i, store, state, q, k, v))
 
             def write(states):
                 return jax.tree.map(lambda s, new: jax.lax.dynamic_update_index_in_dim(s, new, i, 0), states, state)
@@ -211,30 +213,31 @@ def forward_prefill(
     at every position when `all_logits`) and the cache holding the prompt KV and the policy's state.
 
     With `chunk` (a multiple of PREFILL_BLOCK dividing T), the prompt runs `chunk` tokens at a time (`lax.scan`),
-    each chunk attending to the cache so far, so activations are bounded by the chunk, not the prompt (see
-    `_prefill_chunks`); the logits and the cache equal the unchunked ones up to float rounding."""
+    each chunk attending to the cache so far, so activations are bounded by the chunk, not the prompt; the logits
+    and the cache equal the unchunked ones up to float rounding."""
     B, T = tokens.shape
     S = cache.capacity
     assert T <= S, f"prompt bucket {T} exceeds cache capacity {S}"
     if chunk is not None and chunk < T:
-        x, groups = _prefill_chunks(params, config, policy, tokens, lengths, cache, chunk)
+        if chunk % PREFILL_BLOCK or T % chunk:
+            raise ValueError(f"prefill chunk {chunk} must be a multiple of {PREFILL_BLOCK} that divides the prompt "
+                             f"bucket {T}")
+
+        def run_chunk(groups, c):
+            start = c * chunk
+            positions = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
+            step = attend_module.PrefillChunk(policy, lengths, S, start, T)
+            x = params["embed"][jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1)]
+            x, groups = _run_layers(params, config, groups, x, positions, step)
+            return groups, x
+
+        groups, xs = jax.lax.scan(run_chunk, cache.groups, jnp.arange(T // chunk, dtype=jnp.int32))
+        x = jnp.moveaxis(xs, 0, 1).reshape(B, T, -1)  # [n, B, chunk, D] -> [B, T, D]
+        groups = attend_module.index_prompt(policy, groups, lengths, S, T)
     else:
-        inv_freq = rope_inv_freq(config)
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-
-        def step(group, layer, i, x, store, state):
-            def attend(q, k, v):
-                # [B, K, T, H] rows 0..T of this layer, in the store's dtype.
-                k_rows = jnp.swapaxes(k, 1, 2).astype(store.k.dtype)
-                v_rows = jnp.swapaxes(v, 1, 2).astype(store.v.dtype)
-                observed = observe_prompt_queries(policy, group, state, q, 0, lengths)
-                stored = write_prompt_layer(policy, group, store, observed, i, k_rows, v_rows, lengths, S)
-                return attention.causal_attention(q, k, v, block=PREFILL_BLOCK), stored
-
-            x, (store, state) = _layer(layer, config, x, positions, inv_freq, attend)
-            return x, store, state, None
-
-        x, groups = _scan_groups(params, cache.groups, params["embed"][tokens], step)
+        x, groups = _run_layers(params, config, cache.groups, params["embed"][tokens], positions,
+                                attend_module.Prefill(policy, lengths, S))
     if all_logits:
         logits = _logits(params, config, x)
     else:
@@ -242,52 +245,6 @@ def forward_prefill(
         logits = _logits(params, config, last)
     lengths = lengths.astype(jnp.int32)
     return logits, cache.replace(groups=groups, lengths=lengths, prompt_lengths=lengths)
-
-
-def _prefill_chunks(params, config, policy, tokens, lengths, cache: KVCache, chunk: int):
-    """Chunked prefill: every chunk writes its K/V to rows [start, start + chunk) of each layer's store (position
-    order, in the cache's dtype) and attends to rows [0, T) causally (later rows are masked or still empty);
-    then the selecting layers are indexed and laid out from their stored prompt rows, as an unchunked prefill
-    does. Returns the last hidden states [B, T, D] and the groups."""
-    B, T = tokens.shape
-    if chunk % PREFILL_BLOCK or T % chunk:
-        raise ValueError(f"prefill chunk {chunk} must be a multiple of {PREFILL_BLOCK} that divides the prompt "
-                         f"bucket {T}")
-    inv_freq = rope_inv_freq(config)
-
-    def run_chunk(groups, c):
-        start = c * chunk
-        positions = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
-
-        def step(group, layer, i, x, store, state):
-            def attend(q, k, v):
-                written = store.write_prompt(i, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), start=start)
-                view = written.layer(i)
-                out = attention.causal_attention_over_rows(q, view.keys()[:, :, :T], view.values()[:, :, :T],
-                                                           start, block=PREFILL_BLOCK)
-                return out, (written, observe_prompt_queries(policy, group, state, q, start, lengths))
-
-            x, (store, state) = _layer(layer, config, x, positions, inv_freq, attend)
-            return x, store, state, None
-
-        x = params["embed"][jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1)]
-        x, groups = _scan_groups(params, groups, x, step)
-        return groups, x
-
-    groups, xs = jax.lax.scan(run_chunk, cache.groups, jnp.arange(T // chunk, dtype=jnp.int32))
-    x = jnp.moveaxis(xs, 0, 1).reshape(B, T, -1)  # [n, B, chunk, D] -> [B, T, D]
-
-    def index(group):  # the selecting layers: what write_prompt_layer does after a layer's K/V
-        def body(store, xs):
-            i, state = xs
-            view = store.layer(i)
-            return write_prompt_layer(policy, group, store, state, i, view.keys()[:, :, :T],
-                                      view.values()[:, :, :T], lengths, cache.capacity)
-
-        store, state = jax.lax.scan(body, group.store, (jnp.arange(group.num_layers, dtype=jnp.int32), group.state))
-        return group.replace(store=store, state=state)
-
-    return x, tuple(index(g) if g.selecting else g for g in groups)
 
 
 def forward_decode(
@@ -298,29 +255,8 @@ def forward_decode(
     cache: KVCache,
 ) -> tuple[jax.Array, KVCache]:
     """Appends one token per sequence at position `cache.lengths` and returns its logits [B, V]."""
-    inv_freq = rope_inv_freq(config)
-    positions = cache.lengths[:, None]  # [B, 1]
-    new_lengths = cache.lengths + 1
-    S = cache.capacity
-
-    def step(group, layer, i, x, store, state):
-        def attend(q, k, v):
-            q1 = q[:, 0]  # [B, N, H]
-            # This token's K/V [B, K, H] at each sequence's own position (at the row the policy keeps it in).
-            rows = policy.token_rows(state, cache.lengths, S) if group.selecting else cache.lengths
-            kv = store.write_token(i, rows, k[:, 0], v[:, 0]).layer(i, S)
-            if group.selecting:
-                out, new_state, kv = policy.decode_attention(state, q1, kv, new_lengths, cache.prompt_lengths)
-                changed = policy.decode_changed_state(state, new_state)
-            else:
-                with jax.named_scope("attend"):
-                    out = attention.decode_attention(q1, kv.keys(), kv.values(), new_lengths)
-                new_state, changed = state, jnp.bool_(False)
-            return out[:, None], (kv.store, new_state, changed)
-
-        x, (store, state, changed) = _layer(layer, config, x, positions, inv_freq, attend)
-        return x, store, state, changed
-
-    x, groups = _scan_groups(params, cache.groups, params["embed"][tokens][:, None], step)
+    step = attend_module.Decode(policy, cache.lengths, cache.prompt_lengths, cache.capacity)
+    x, groups = _run_layers(params, config, cache.groups, params["embed"][tokens][:, None], cache.lengths[:, None],
+                            step)
     logits = _logits(params, config, x[:, 0])
-    return logits, cache.replace(groups=groups, lengths=new_lengths)
+    return logits, cache.replace(groups=groups, lengths=cache.lengths + 1)

@@ -7,7 +7,7 @@ where a backend lacks it we fall back and warn once). For a group of selecting l
 - a ring of the last W tokens written (slot = position % W): the policy's unindexed window, read every step
   and clustered from when it is due, without a host round trip;
 - a recall cache (`RecallCache`): device slots holding the chunks (rows, ClusterKV's blocks, Quest's pages)
-  selected in the last R = `cache_steps` steps, looked up by their first row, kept by KV head (its selection
+  selected in the last R = `recall_steps` steps, looked up by their first row, kept by KV head (its selection
   heads' slots side by side) so a KV head's misses are fetched together.
 
 Each decode step of such a layer: the new token's K/V go to the host store and to the ring; the policy
@@ -34,8 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.compute_on import compute_on
 
+from clusterkv_jax import axes
 from clusterkv_jax.ops import gather_rows, per_kv_head, row_index, scatter_entries, scatter_rows
-from clusterkv_jax.store import KVStore, LayerView, Selection
+from clusterkv_jax.selection import Selection
+from clusterkv_jax.store import KV_AXES, KVStore, LayerView
 
 
 @functools.lru_cache(maxsize=None)
@@ -97,25 +99,27 @@ def host_zeros(shape, dtype):
 @flax.struct.dataclass
 class RecallCache:
     """Device slots for chunks read from the host, per layer of the group and selection head: R·c slots of one
-    chunk each (c chunks a selection, R = `cache_steps`), each holding the chunk that starts at its id.
+    chunk each (c chunks a selection, R = `recall_steps`), each holding the chunk that starts at its id.
 
     A chunk selected in one of the last R steps is still in its slot (a hit); a chunk that misses is fetched from
     the host into a slot no chunk of this step uses, the least recently used first, so only misses move and the
     hits stay where they are. Chunks never change once a policy can select them (ClusterKV's blocks are written
     once, when their cluster is laid out; Quest selects only whole pages), so a slot's copy stays exact."""
 
-    ids: jax.Array  # [n, B, h, S] int32 first row of the chunk in each slot (-1: empty); S = R·c slots
-    last_used: jax.Array  # [n, B, h, S] int32 the step that last selected the slot's chunk
+    ids: jax.Array = axes.field("layers", "batch", "heads", "slots")  # [n, B, h, S] int32 first row of the chunk
+    #                                                                  in each slot (-1: empty); S = R·c slots
+    last_used: jax.Array = axes.field("layers", "batch", "heads", "slots")  # [n, B, h, S] int32 the step that last
+    #                                                                        selected the slot's chunk
     # Slot s of selection head h = k·G + g at [k, g·S + s]: a KV head's selection heads side by side, the same
     # memory as [n, B, h, S, ...] (a layer's slots read as [B, h, S·chunk, H] by a reshape), so the fetch writes a
     # KV head's packed misses with one scatter per round (stored this way, not reshaped per step: a reshape of
     # the carried slots inside the fetch loop made XLA:CPU copy them whole).
-    k: jax.Array  # [n, B, K, G·S, chunk * H]
-    v: jax.Array  # [n, B, K, G·S, chunk * H]
-    step: jax.Array  # [n] int32 decode steps seen
-    hits: jax.Array  # [n] float32 selected rows served from the cache, summed over steps
-    selected: jax.Array  # [n] float32 selected rows, summed over steps
-    fetched: jax.Array  # [n] float32 rows moved host -> device, summed
+    k: jax.Array = axes.field("layers", "batch", "kv_heads", "slots", "chunk")  # [n, B, K, G·S, chunk * H]
+    v: jax.Array = axes.field("layers", "batch", "kv_heads", "slots", "chunk")  # [n, B, K, G·S, chunk * H]
+    step: jax.Array = axes.field("layers")  # [n] int32 decode steps seen
+    hits: jax.Array = axes.field("layers")  # [n] float32 selected rows served from the cache, summed over steps
+    selected: jax.Array = axes.field("layers")  # [n] float32 selected rows, summed over steps
+    fetched: jax.Array = axes.field("layers")  # [n] float32 rows moved host -> device, summed
     steps: int = flax.struct.field(pytree_node=False, default=0)  # R
 
     @classmethod
@@ -195,17 +199,20 @@ def running_count(x: jax.Array) -> jax.Array:
 class HostKV(KVStore):
     """Keys and values of a group of layers in host memory (see the module docstring)."""
 
-    k: jax.Array  # [n, B, K, R, H] memory kind pinned_host
-    v: jax.Array  # [n, B, K, R, H]
-    ring_k: jax.Array | None = None  # [n, B, K, W, H] device: the last W tokens written, slot = row % W
-    ring_v: jax.Array | None = None
+    k: jax.Array = axes.field(*KV_AXES, host=True)  # [n, B, K, R, H] memory kind pinned_host
+    v: jax.Array = axes.field(*KV_AXES, host=True)
+    # Device: the last W tokens written, slot = row % W ([n, B, K, W, H]).
+    ring_k: jax.Array | None = axes.field("layers", "batch", "kv_heads", "window", "head_dim", default=None)
+    ring_v: jax.Array | None = axes.field("layers", "batch", "kv_heads", "window", "head_dim", default=None)
     recall: RecallCache | None = None  # device: chunks selected in the last R steps
+
+    on_host = True
 
     @classmethod
     def create(cls, layers: int, batch: int, kv_heads: int, rows: int, head_dim: int, dtype, *, window: int = 0,
-               selection_shape: tuple[int, int, int, int] | None = None, cache_steps: int = 0):
+               selection_shape: tuple[int, int, int, int] | None = None, recall_steps: int = 0):
         """window > 0 keeps a device ring of that many recent tokens; selection_shape (B, h, c, chunk) adds the
-        recall cache of `cache_steps` steps (a group of selecting layers); without it the group streams whole
+        recall cache of `recall_steps` steps (a group of selecting layers); without it the group streams whole
         layers."""
         shape = (layers, batch, kv_heads, rows, head_dim)
         store = cls(k=host_zeros(shape, dtype), v=host_zeros(shape, dtype))
@@ -213,7 +220,7 @@ class HostKV(KVStore):
             ring = (layers, batch, kv_heads, window, head_dim)
             store = store.replace(ring_k=jnp.zeros(ring, dtype), ring_v=jnp.zeros(ring, dtype))
         if selection_shape is not None:
-            store = store.replace(recall=RecallCache.create(layers, selection_shape, cache_steps, head_dim, dtype,
+            store = store.replace(recall=RecallCache.create(layers, selection_shape, recall_steps, head_dim, dtype,
                                                             kv_heads))
         return store
 
@@ -255,17 +262,19 @@ class HostKV(KVStore):
     def layer(self, layer, positions: int | None = None) -> "HostLayer":
         return HostLayer(self, layer, self.capacity if positions is None else positions)
 
-    def memory_kinds(self) -> "HostKV":
-        host = host_memory_kind() or "device"
-        return jax.tree.map(lambda _: "device", self).replace(k=host, v=host)
+    def nbytes(self) -> dict[str, int]:
+        out = super().nbytes()
+        if host_memory_kind() is None:  # the fallback keeps the "host" arrays in device memory
+            return {"device": out["device"] + out["host"], "host": 0}
+        return out
 
 
 def fetch_size(c: int) -> int:
     """Chunks a KV head fetches from the host per round, of the c its selection heads select together: a quarter
     (at R = 1 about one chunk in five misses), so most steps move one round and a first step, all misses, four.
-    Packed by KV head because the most missing head sets the number of rounds for all: rounds of a quarter of
-    each selection head's own chunks averaged 1.66 a layer-step on SmolLM2 at 4k (314 chunks moved), packed by KV
-    head 1.28 (234 chunks; RESULTS.md)."""
+    Packed by KV head because the most missing head sets the number of rounds for all: packing a KV head's
+    selection heads together takes fewer rounds and moves fewer chunks than rounds per selection head
+    (RESULTS.md, "Host offload")."""
     return max(1, -(-c // 4))
 
 
@@ -277,8 +286,8 @@ def pack_misses(starts, slot, miss, miss_number, kv_heads: int, slots: int, n: i
     past the last miss start 0 and slot G·S, whose write is dropped; P = G·c rounded up to rounds of n) and
     kv_misses [B, K] (misses per KV head).
 
-    One scatter: the misses' numbers within a KV head are distinct. On XLA:CPU it took ~35 µs a layer, the
-    [G·c, P] comparison matrix it replaced ~160 µs (SmolLM2 at 4k: 243 chunks a KV head; RESULTS.md)."""
+    One scatter: the misses' numbers within a KV head are distinct (on XLA:CPU cheaper than a [G·c, P]
+    comparison matrix; RESULTS.md)."""
     B, h, c = starts.shape
     K, S = kv_heads, slots
     G = h // K
@@ -328,9 +337,7 @@ class HostLayer(LayerView):
 
     def commit_window(self, rows, dest):
         """Under the `lax.cond` on every platform, not only the CPU (`commit_window_if_due`): it skips the host
-        round trip on steps with nothing due (every m-th step does one). Compiled for an H100 the offloaded step
-        copies the host store either way (4 copies per step at 2 layers x 32k; `clusterkv_jax.aot`): not yet
-        solved."""
+        round trip on steps with nothing due (every m-th step does one)."""
         return self.commit_window_if_due(rows, dest)
 
     def window(self, rows):

@@ -19,10 +19,10 @@ What each array gets (`data` / `model` are the mesh axes; "-" is replicated):
 | policy state, window ring and recall cache leaves | the B dim on data, the KV / selection-head dim on model |
 | a host store's k / v [n, B, K, S, H] | (-, data, model, -, -), memory kind pinned_host |
 
-Which dims of a policy's state are B and heads is found by tracing `init_cache` at two batch sizes and two
-head counts (so custom policies work unchanged): a dim that follows the batch size is sharded on "data", a
-dim that follows the KV or query head count on "model"; anything else is replicated. Where each array lives
-(device or host memory) the stores say (`cache.memory_kinds`).
+Every cache array declares its logical axes where it is defined (`clusterkv_jax.axes`): a tree map turns them
+into specs (`LOGICAL_RULES`: "batch" on the batch's mesh axis, "kv_heads" and "heads" on the heads'; every other
+dim replicated), and their memory into memory kinds (`cache.memory_kinds`). A policy state array that declares
+nothing (a custom policy's bare array) is replicated.
 
 The Pallas kernels are custom calls the partitioner cannot split; `ops.per_shard` runs them under `shard_map`,
 once per device on its shard of the batch and heads, so a sharded ClusterKV keeps its kernels.
@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from clusterkv_jax import axes
 from clusterkv_jax.cache import KVCache, init_cache, memory_kinds
 from clusterkv_jax.config import ModelConfig
 from clusterkv_jax.model import param_shapes
@@ -194,6 +195,10 @@ def check_mesh_for_model(spec, model_dir: str, dtype) -> None:
 # ----------------------------------------------------------------------------------------------------------
 
 
+#: The logical axes that are split, and the `ShardingRules` field naming the mesh axis each one uses.
+LOGICAL_RULES = {"batch": "batch", "kv_heads": "heads", "heads": "heads"}
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardingRules:
     """Hashable (a static argument of `jax.jit`): the mesh, and the axis (or None: replicated) used for the
@@ -206,6 +211,10 @@ class ShardingRules:
 
     def named(self, spec: P, memory_kind: str | None = None) -> NamedSharding:
         return NamedSharding(self.mesh, spec, memory_kind=memory_kind)
+
+    def spec(self, logical: axes.Axes) -> P:
+        """The PartitionSpec of an array with these logical axes (`LOGICAL_RULES`)."""
+        return P(*(getattr(self, LOGICAL_RULES[name]) if name in LOGICAL_RULES else None for name in logical.names))
 
     @property
     def shard_axes(self) -> ShardAxes:
@@ -288,33 +297,8 @@ def _cache_shapes(config, policy, batch_size, capacity, dtype):
 
 def cache_specs(config: ModelConfig, policy, batch_size: int, capacity: int, dtype, rules: ShardingRules,
                 ) -> KVCache:
-    """A KVCache of PartitionSpecs: the batch dim of every leaf on rules.batch, its head dim on rules.heads.
-
-    The dims are found by tracing `init_cache` again with batch + 1 and with twice the heads (query and KV
-    heads both doubled, so the grouping is unchanged): a dim equal to the batch size that follows it is the
-    batch dim; a dim equal to the KV or query head count that doubles with it is the head dim.
-    """
-    B, K, N = batch_size, config.num_kv_heads, config.num_heads
-    base = _cache_shapes(config, policy, B, capacity, dtype)
-    more_b = _cache_shapes(config, policy, B + 1, capacity, dtype)
-    wide = dataclasses.replace(config, num_heads=2 * N, num_kv_heads=2 * K)
-    more_k = _cache_shapes(wide, policy, B, capacity, dtype)
-
-    def spec(x, xb, xk):
-        dims: list[str | None] = [None] * len(x.shape)
-        batch_dim = head_dim = None
-        for i, (s, sb, sk) in enumerate(zip(x.shape, xb.shape, xk.shape)):
-            if batch_dim is None and s == B and sb == B + 1 and sk == s:
-                batch_dim = i
-            elif head_dim is None and s in (K, N) and sk == 2 * s and sb == s:
-                head_dim = i
-        if batch_dim is not None:
-            dims[batch_dim] = rules.batch
-        if head_dim is not None:
-            dims[head_dim] = rules.heads
-        return P(*dims)
-
-    return jax.tree.map(spec, base, more_b, more_k)
+    """A KVCache of PartitionSpecs, from the logical axes every array declares (`clusterkv_jax.axes`)."""
+    return jax.tree.map(rules.spec, axes.of(_cache_shapes(config, policy, batch_size, capacity, dtype)))
 
 
 def cache_shardings(config: ModelConfig, policy, batch_size: int, capacity: int, dtype, mesh) -> KVCache:

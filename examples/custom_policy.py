@@ -6,22 +6,25 @@ smallest L2 norm (a query-independent heuristic: low-norm keys tend to draw high
 recallable: the norm ranking is fixed after prefill, whatever the queries later ask for.
 
 The hooks (see `clusterkv_jax/policies/base.py`; shapes: B batch, N query heads, K KV heads, S cache
-capacity, H head dim). The model calls them inside its `lax.scan` over the layers >= `full_layers`, one layer
-at a time, so everything is traced: static shapes, no Python branching on array values. A policy only chooses
-tokens: reading their keys and values (from device or host memory) and attending is the model's job.
+capacity, H head dim). `clusterkv_jax.attend` calls them inside the model's `lax.scan` over the layers >=
+`full_layers`, one layer at a time, so everything is traced: static shapes, no Python branching on array values.
+A policy only chooses tokens: reading their keys and values (from device or host memory) and attending is
+`clusterkv_jax.attend`'s job.
 
 - `init_state(config, batch_size, capacity)`: one layer's empty state, a pytree of arrays (the model stacks
   one per selecting layer). Here: the chosen positions [B, K, M].
 - `after_prefill(state, keys, lengths)`: called once per layer after the prompt, with that layer's post-RoPE
   keys [B, K, S, H] (rows >= lengths[b] are padding); returns the layer's new state. Here: rank the norms.
 - `select(state, q, keys, lengths, prompt_lengths)`: the budgeted selection for the new token's queries
-  q [B, N, H]: positions idx and a validity mask, [B, N, M] (one set per query head) or [B, K, M] (one per
-  KV head, shared by its query heads). `keys` is None unless the policy sets `reads_all_keys`. The recall
-  evaluation calls it too.
+  q [B, N, H]: `ckv.Selection.of_rows(idx, mask)`, positions and a validity mask [B, N, M] (one set per query
+  head) or [B, K, M] (one per KV head, shared by its query heads). `keys` is None unless the policy sets
+  `reads_all_keys`. The recall evaluation calls it too.
 - `selection_shape(config, batch_size, capacity)`: (B, h, M, 1) of that selection (M chunks of 1 row),
   declared so that buffers (host offload's recall cache) can be sized before anything runs.
 - Optional: `window_size` / `window_start` / `index_recent`, a window of recent tokens the policy has not
-  indexed yet, attended in full (ClusterKV's not-yet-clustered tokens); `metadata_bytes` for the roofline.
+  indexed yet, attended in full (ClusterKV's not-yet-clustered tokens); `covers` / `covers_now`, when the
+  selection would hold every token (then a step attends the whole layer, as full KV does); `metadata_bytes`
+  for the roofline.
 
 A policy is a frozen dataclass, so it is hashable and `jax.jit` treats it as a static argument: each
 distinct setting compiles once. Budget rule: B counts every attended token, sinks and recent ones included.
@@ -82,7 +85,7 @@ class LowKeyNorm(ckv.KVPolicy):
         n_mask = (state >= self.sinks) & (state < jnp.minimum(prompt_lengths, start)[:, None, None])
         idx = jnp.concatenate([expand_heads(s_idx, K), state, expand_heads(r_idx, K)], axis=-1)
         mask = jnp.concatenate([expand_heads(s_mask, K), n_mask, expand_heads(r_mask, K)], axis=-1)
-        return idx, mask  # [B, K, budget]: one selection per KV head; the ranking never changes
+        return ckv.Selection.of_rows(idx, mask)  # [B, K, budget]: one selection per KV head, ranking fixed
 
 
 # --- using it -------------------------------------------------------------------------------------------

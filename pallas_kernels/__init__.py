@@ -6,18 +6,21 @@ version (`*_tpu`).
 - `cluster_to_block_index`: budget slots → store blocks (and rows read in each) from clusters in score order;
   `cluster_to_block_index_tpu` the same with triangular products and [slots, clusters] masks.
 - `selected_attention`: decode attention straight from the store through a page table per selection head
-  (online softmax over the selected pages and the window; no gathered copy). GPU only for now.
+  (online softmax over the selected pages and the window; no gathered copy); `selected_attention_tpu` the same
+  on a TPU (the page table as a scalar-prefetch operand, one page per grid step).
 
-`dispatch.use_kernels(mode)` says whether to call a kernel or its reference; `check_lowering` lowers every
-kernel for CUDA (and the TPU ones for TPU) without either device; `bench` times kernels against references.
+`dispatch` says which device the kernels are chosen for and what it supports (`clusterkv_jax.kernels` picks an
+implementation from that, in one place); `check_lowering` lowers every kernel for CUDA (and the TPU ones for
+TPU) without either device; `bench` times kernels against references.
 """
 
 from pallas_kernels.centroid_update import centroid_update, centroid_update_reference
 from pallas_kernels.centroid_update_tpu import centroid_update_tpu
 from pallas_kernels.cluster_index import cluster_to_block_index, cluster_to_block_index_reference
 from pallas_kernels.cluster_index_tpu import cluster_to_block_index_tpu
-from pallas_kernels.dispatch import kernels_supported, on_tpu, use_kernels
+from pallas_kernels.dispatch import kernels_supported, on_tpu
 from pallas_kernels.selected_attention import selected_attention, selected_attention_reference
+from pallas_kernels.selected_attention_tpu import selected_attention_tpu
 
 __all__ = [
     "centroid_update",
@@ -30,5 +33,5 @@ __all__ = [
     "on_tpu",
     "selected_attention",
     "selected_attention_reference",
-    "use_kernels",
+    "selected_attention_tpu",
 ]

@@ -1,8 +1,9 @@
-"""When to run the Pallas kernels and when their pure-jnp references, and how a one-problem kernel is mapped.
+"""Which device the kernels are chosen for, what it can run, and how a one-problem kernel is mapped.
 
 The kernels are Pallas *Triton* kernels: they compile only for an NVIDIA GPU of compute capability >= 8.0
 (Ampere or newer: bfloat16 matrix units). Anywhere else they run only in interpret mode (slow; for tests).
-On a TPU (`on_tpu`) their Mosaic versions (`*_tpu`) run instead.
+On a TPU (`on_tpu`) their Mosaic versions (`*_tpu`) run instead. The choice itself is made in one place,
+`clusterkv_jax.kernels.resolve`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import contextlib
 
 import jax
 
-MODES = ("auto", "pallas", "reference")
 MIN_COMPUTE_CAPABILITY = 8.0
 
 _compile_targets: list = []  # innermost last; see `compile_for`
@@ -73,33 +73,15 @@ def on_tpu(device=None) -> bool:
     return device.platform == "tpu"
 
 
-def use_kernels(mode: str, *, interpret: bool = False) -> bool:
-    """Whether to call the Pallas kernels (True) or the pure-jnp references (False).
-
-    mode "auto": the kernels where supported, else the references. "pallas": the kernels; raises
-    RuntimeError on an unsupported device unless `interpret` (then the caller passes interpret=True to the
-    kernels). "reference": the references.
-    """
-    if mode not in MODES:
-        raise ValueError(f"kernel mode must be one of {MODES}, got {mode!r}")
-    if mode == "reference":
-        return False
-    if mode == "auto":
-        return kernels_supported()
-    if not interpret and not kernels_supported():
-        try:
-            device = _target_device()
-            where = f"{device.platform} device {device.device_kind!r}"
-            cc = _compute_capability(device)
-            if cc is not None:
-                where += f" (compute capability {cc})"
-        except RuntimeError:
-            where = "no JAX device"
-        raise RuntimeError(
-            f"mode 'pallas' needs a CUDA GPU with compute capability >= {MIN_COMPUTE_CAPABILITY} "
-            f"(Pallas Triton kernels); found {where}. Use mode 'auto' or 'reference', or interpret=True."
-        )
-    return True
+def describe_target() -> str:
+    """The device kernels are chosen for, in words (for error messages)."""
+    try:
+        device = _target_device()
+    except RuntimeError:
+        return "no JAX device"
+    where = f"{device.platform} device {device.device_kind!r}"
+    cc = _compute_capability(device)
+    return where + (f" (compute capability {cc})" if cc is not None else "")
 
 
 def map_leading(fn, n: int):

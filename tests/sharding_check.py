@@ -41,7 +41,7 @@ POLICIES = {
     # The Pallas kernels (K-means centroid sums, cluster -> token indexing) in interpret mode, run per shard.
     "clusterkv_kernels": ClusterKV(kernels="interpret", **SMALL),
     # The prompt's last queries observed per shard; InfiniGen's eigendecomposition per (sequence, KV head).
-    "snapkv": SnapKV(budget=16, window=8, kernel=3, full_layers=1),
+    "snapkv": SnapKV(budget=16, window=8, pool_size=3, full_layers=1),
     "infinigen": InfiniGen(budget=16, sample=8, full_layers=1),
 }
 NEW = 16

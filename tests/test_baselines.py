@@ -37,7 +37,7 @@ DECODE_TOKENS = _rng.integers(0, CONFIG.vocab_size, (3, STEPS)).astype(np.int32)
 QUEST = Quest(budget=24, page_size=8, full_layers=1)
 STREAMING = StreamingLLM(budget=20, sinks=4, full_layers=1)
 ORACLE = OracleTopK(budget=16, full_layers=1)
-SNAPKV = SnapKV(budget=20, window=8, kernel=3, full_layers=1)
+SNAPKV = SnapKV(budget=20, window=8, pool_size=3, full_layers=1)
 INFINIGEN = InfiniGen(budget=16, partial_ratio=0.25, sample=8, full_layers=1)
 SMALL = (QUEST, STREAMING, ORACLE, SNAPKV, INFINIGEN)
 # Budgets above the capacity: every token is attended, in every layer.
@@ -114,8 +114,8 @@ def np_quest_pages(prompt_len: int, length: int, ps: int) -> tuple[list[tuple[in
     lambda: Quest(sinks=-1), lambda: Quest(budget=32, page_size=16, sinks=33),
     lambda: StreamingLLM(budget=0), lambda: StreamingLLM(budget=8, sinks=16), lambda: StreamingLLM(sinks=-1),
     lambda: StreamingLLM(full_layers=-1), lambda: OracleTopK(budget=0), lambda: OracleTopK(full_layers=-2),
-    lambda: SnapKV(window=0), lambda: SnapKV(budget=16, window=32), lambda: SnapKV(kernel=4),
-    lambda: SnapKV(kernel=0), lambda: InfiniGen(partial_ratio=0.0), lambda: InfiniGen(partial_ratio=1.5),
+    lambda: SnapKV(window=0), lambda: SnapKV(budget=16, window=32), lambda: SnapKV(pool_size=4),
+    lambda: SnapKV(pool_size=0), lambda: InfiniGen(partial_ratio=0.0), lambda: InfiniGen(partial_ratio=1.5),
     lambda: InfiniGen(sample=0), lambda: InfiniGen(budget=0),
 ])
 def test_invalid_settings_raise(make):
@@ -252,7 +252,7 @@ def test_snapkv_keeps_what_numpy_snapkv_keeps():
         chosen = selected_sets(*SNAPKV.selected_positions(state, q, keys, lengths, prompt_lengths))
         for b, L in enumerate(np.asarray(prompt_lengths).tolist()):
             want = np_snapkv(np.asarray(state.queries[b], np.float64), np.asarray(keys[b], np.float64), L,
-                             SNAPKV.budget, SNAPKV.window, SNAPKV.kernel)
+                             SNAPKV.budget, SNAPKV.window, SNAPKV.pool_size)
             assert [sorted(c) for c in chosen[b]] == want, (layer, b)
             # The decode query does not matter: the choice was made at prefill, for good.
             again = selected_sets(*SNAPKV.selected_positions(state, -q, keys, lengths, prompt_lengths))

@@ -107,7 +107,7 @@ def test_synthetic_cache_decodes_alike_on_device_and_offloaded():
 @pytest.mark.parametrize("offload", [False, True])
 def test_synthetic_cache_equals_the_state_a_prefill_leaves(offload):
     """Feeding write_prompt the K/V a real prefill stored reproduces the prefill's cache: same index, same KV."""
-    from clusterkv_jax.cache import write_prompt
+    from clusterkv_jax.attend import write_prompt
 
     policy = ClusterKV(budget=40, offload=offload, **SMALL)
     tokens = jnp.asarray(np.random.default_rng(2).integers(0, 128, (1, 160)), jnp.int32)
@@ -160,8 +160,9 @@ def test_bench_attention_reports_every_policy():
 def test_step_given_its_selection_is_the_step(policy):
     """The step `bench attention` subtracts to cost the selection does everything else the same: given the
     selection the policy makes, it returns the same output, state and store."""
+    from clusterkv_jax.attend import decode_selecting, write_prompt_layer
     from clusterkv_jax.bench.attention import _given_selection
-    from clusterkv_jax.cache import LayerGroup, write_prompt_layer
+    from clusterkv_jax.cache import LayerGroup
     from clusterkv_jax.store import DeviceKV
 
     one = dataclasses.replace(CFG, num_layers=1)
@@ -174,9 +175,9 @@ def test_step_given_its_selection_is_the_step(policy):
     group = LayerGroup(store=None, state=None, start=0, selecting=True)
     store, state = write_prompt_layer(policy, group, *empty, jnp.int32(0), k, v, lengths, cap)
     selection = policy.select(state, q, None, lengths, lengths)
-    own = policy.decode_attention(state, q, store.layer(jnp.int32(0), cap), lengths, lengths)
-    given = _given_selection(policy, selection).decode_attention(state, q, store.layer(jnp.int32(0), cap), lengths,
-                                                                 lengths)
+    own = decode_selecting(policy, state, q, store.layer(jnp.int32(0), cap), lengths, lengths)
+    given = decode_selecting(_given_selection(policy, selection), state, q, store.layer(jnp.int32(0), cap), lengths,
+                             lengths)
     assert type(policy).select is not type(_given_selection(policy, selection)).select
     jax.tree.map(np.testing.assert_array_equal, (own[0], own[1], own[2].store), (given[0], given[1], given[2].store))
 

@@ -266,13 +266,13 @@ def test_pallas_kernels_in_interpret_mode_match_the_reference_path(monkeypatch):
     """K-means (centroid_update), selection (cluster_to_block_index) and decode attention (selected_attention,
     straight from the store) through the Pallas kernels, run in interpret mode on this CPU, give the same
     clusters, layout and logits as the pure-jnp path."""
-    from clusterkv_jax.store import DeviceLayer
+    from clusterkv_jax import attend as attend_module
 
     tokens, lengths = TOKENS[:2], LENGTHS[:2]
     ref, ref_cache = run(ClusterKV(budget=40, kernels="reference", **SMALL), tokens, lengths, steps=18)
     in_place = []
-    attend = DeviceLayer.attend_in_place
-    monkeypatch.setattr(DeviceLayer, "attend_in_place", lambda *a, **k: in_place.append(1) or attend(*a, **k))
+    attend = attend_module.attend_in_place
+    monkeypatch.setattr(attend_module, "attend_in_place", lambda *a, **k: in_place.append(1) or attend(*a, **k))
     pal, pal_cache = run(ClusterKV(budget=40, kernels="interpret", **SMALL), tokens, lengths, steps=18)
     assert in_place, "the decode steps attend straight from the store (selected_attention)"
     for field in ("sizes", "block_start", "row_positions"):
@@ -288,22 +288,18 @@ def test_mosaic_tpu_kernels_in_interpret_mode_match_the_reference_path(monkeypat
     interpreter, and gives the reference path's clusters, layout and logits."""
     import functools
 
-    from clusterkv_jax import kmeans
-    from clusterkv_jax.policies import clusterkv as clusterkv_module
-    from pallas_kernels import centroid_update_tpu, cluster_to_block_index_tpu
-    from pallas_kernels.selected_attention_tpu import selected_attention_tpu
+    from clusterkv_jax import kernels
+    from pallas_kernels import centroid_update_tpu, cluster_to_block_index_tpu, dispatch, selected_attention_tpu
 
-    monkeypatch.setattr(clusterkv_module, "on_tpu", lambda: True)
-    monkeypatch.setattr(kmeans, "centroid_update_tpu", functools.partial(centroid_update_tpu, interpret=True))
-    monkeypatch.setattr(clusterkv_module, "cluster_to_block_index_tpu",
+    monkeypatch.setattr(dispatch, "on_tpu", lambda: True)
+    monkeypatch.setattr(kernels, "centroid_update_tpu", functools.partial(centroid_update_tpu, interpret=True))
+    monkeypatch.setattr(kernels, "cluster_to_block_index_tpu",
                         functools.partial(cluster_to_block_index_tpu, interpret=True))
-    from clusterkv_jax import store as store_module
-
     in_place = []
-    monkeypatch.setattr(store_module, "selected_attention_tpu", lambda *a: in_place.append(1) or
+    monkeypatch.setattr(kernels, "selected_attention_tpu", lambda *a: in_place.append(1) or
                         selected_attention_tpu(*a, interpret=True))
     policy = ClusterKV(budget=40, kernels="auto", **SMALL)
-    assert policy.kernel == "tpu"
+    assert kernels.resolve(policy.kernels) == "tpu"
     tokens, lengths = TOKENS[:2], LENGTHS[:2]
     ref, ref_cache = run(ClusterKV(budget=40, kernels="reference", **SMALL), tokens, lengths, steps=18)
     tpu, tpu_cache = run(policy, tokens, lengths, steps=18)
@@ -317,13 +313,15 @@ def test_mosaic_tpu_kernels_in_interpret_mode_match_the_reference_path(monkeypat
 
 
 def test_kernel_switch_resolves_per_device():
-    assert ClusterKV(kernels="reference").kernel == "reference"
-    assert ClusterKV(kernels="interpret").kernel == "interpret"
+    from clusterkv_jax.kernels import resolve
+
+    assert resolve(ClusterKV(kernels="reference").kernels) == "reference"
+    assert resolve(ClusterKV(kernels="interpret").kernels) == "interpret"
     platform = jax.devices()[0].platform
-    assert ClusterKV(kernels="auto").kernel == {"gpu": "pallas", "tpu": "tpu"}.get(platform, "reference")
+    assert resolve(ClusterKV(kernels="auto").kernels) == {"gpu": "pallas", "tpu": "tpu"}.get(platform, "reference")
     if platform not in ("gpu", "tpu"):
         with pytest.raises(RuntimeError):
-            ClusterKV(kernels="pallas").kernel
+            resolve(ClusterKV(kernels="pallas").kernels)
     with pytest.raises(ValueError):
         ClusterKV(kernels="triton")
 
@@ -333,7 +331,8 @@ def test_selection_and_window_attention_matches_numpy(per_query_head):
     """One softmax over each head's selected rows and its KV head's window, read from a store, against a NumPy
     loop per head."""
     from clusterkv_jax.attention import selection_and_window_attention
-    from clusterkv_jax.store import DeviceKV, Selection
+    from clusterkv_jax.selection import Selection
+    from clusterkv_jax.store import DeviceKV
 
     rng = np.random.default_rng(3)
     B, N, K, S, H, M, W = 2, 6, 2, 40, 8, 7, 5
@@ -370,11 +369,12 @@ def test_attend_in_place_matches_numpy(per_query_head, chunk, W, kernel, monkeyp
     softmax, against a NumPy loop per head."""
     import functools
 
-    from clusterkv_jax import store as store_module
-    from clusterkv_jax.store import DeviceKV, Selection
+    from clusterkv_jax import attend, kernels
+    from clusterkv_jax.selection import Selection
+    from clusterkv_jax.store import DeviceKV
 
-    monkeypatch.setattr(store_module, "selected_attention_tpu",
-                        functools.partial(store_module.selected_attention_tpu, interpret=True))
+    monkeypatch.setattr(kernels, "selected_attention_tpu",
+                        functools.partial(kernels.selected_attention_tpu, interpret=True))
 
     rng = np.random.default_rng(chunk + W)
     L, B, N, K, S, H, n = 3, 2, 6, 2, 64, 16, 5
@@ -388,12 +388,13 @@ def test_attend_in_place_matches_numpy(per_query_head, chunk, W, kernel, monkeyp
     w_mask = rng.random((B, W)) < 0.6
     view = DeviceKV(k=jnp.asarray(keys), v=jnp.asarray(values)).layer(jnp.int32(layer))
     selection = Selection(starts=jnp.asarray(starts), mask=jnp.asarray(mask), chunk=chunk)
-    assert view.can_attend_in_place(selection, W)
-    got = np.asarray(view.attend_in_place(jnp.asarray(q), selection, W, jnp.asarray(w_mask) if W else None,
-                                          kernel=kernel))
+    assert attend.can_attend_in_place(view, selection, W)
+    got = np.asarray(attend.attend_in_place(jnp.asarray(q), view, selection, W, jnp.asarray(w_mask) if W else None,
+                                            kernel))
     want = _selected_attention_numpy(q, keys[layer], values[layer], starts, mask, w_mask, W, per_query_head)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    assert not view.can_attend_in_place(Selection(starts=selection.starts, mask=selection.mask[..., :1], chunk=1), W)
+    assert not attend.can_attend_in_place(view, Selection(starts=selection.starts, mask=selection.mask[..., :1],
+                                                          chunk=1), W)
 
 
 def _selected_attention_numpy(q, keys, values, starts, mask, w_mask, W, per_query_head):
@@ -419,12 +420,13 @@ def _selected_attention_numpy(q, keys, values, starts, mask, w_mask, W, per_quer
 @pytest.mark.parametrize("per_query_head, chunk, W, aligned, B", [
     (True, 4, 8, True, 2), (False, 4, 8, True, 3), (True, 8, 0, True, 2), (True, 1, 4, False, 2), (True, 4, 8, False, 1)])
 def test_attend_tiled_matches_numpy(per_query_head, chunk, W, aligned, B, monkeypatch):
-    """Reading and attending a tile of (sequence, KV head) pairs at a time (`DeviceLayer.attend_tiled`, what a
+    """Reading and attending a tile of (sequence, KV head) pairs at a time (`attend.attend_tiled`, what a
     CPU runs when the selected rows outgrow its cache; tiles forced small here) from a layer of a multi-layer
     store, against the NumPy loop per head, and equal to the untiled read and attention."""
-    from clusterkv_jax import store as store_module
+    from clusterkv_jax import attend
     from clusterkv_jax.attention import selection_and_window_attention
-    from clusterkv_jax.store import DeviceKV, Selection
+    from clusterkv_jax.selection import Selection
+    from clusterkv_jax.store import DeviceKV
 
     rng = np.random.default_rng(chunk + W + B)
     L, N, K, S, H, n = 3, 6, 2, 64, 16, 5
@@ -440,10 +442,10 @@ def test_attend_tiled_matches_numpy(per_query_head, chunk, W, aligned, B, monkey
     w_mask = rng.random((B, W)) < 0.6
     view = DeviceKV(k=jnp.asarray(keys), v=jnp.asarray(values)).layer(jnp.int32(layer))
     selection = Selection(starts=jnp.asarray(starts), mask=jnp.asarray(mask), chunk=chunk, aligned=aligned)
-    assert view.tiles_for(selection) == 1, "rows this small stay in one piece"
-    monkeypatch.setattr(store_module, "GATHER_TILE_BYTES", 1)  # every (sequence, KV head) pair a tile of its own
-    assert view.tiles_for(selection) == B * K
-    got = np.asarray(jax.jit(lambda q_, sel, wm: view.attend_tiled(q_, sel, W, wm if W else None))(
+    assert attend.tiles_for(view, selection) == 1, "rows this small stay in one piece"
+    monkeypatch.setattr(attend, "GATHER_TILE_BYTES", 1)  # every (sequence, KV head) pair a tile of its own
+    assert attend.tiles_for(view, selection) == B * K
+    got = np.asarray(jax.jit(lambda q_, sel, wm: attend.attend_tiled(q_, view, sel, W, wm if W else None))(
         jnp.asarray(q), selection, jnp.asarray(w_mask)))
     want = _selected_attention_numpy(q, keys[layer], values[layer], starts, mask, w_mask, W, per_query_head)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -466,14 +468,14 @@ def fresh_traces():
 def test_decode_attends_tiled_where_rows_outgrow_a_tile(gqa, monkeypatch, fresh_traces):
     """ClusterKV's decode step takes the tiled path when its selected rows outgrow two tiles (forced here with a
     tiny tile), and decodes exactly as the untiled path does (decode-time clustering included)."""
-    from clusterkv_jax import store as store_module
+    from clusterkv_jax import attend
 
     policy = ClusterKV(budget=48, gqa=gqa, **SMALL)
     untiled, _ = run(policy, TOKENS, LENGTHS, steps=20)
     calls = []
-    monkeypatch.setattr(store_module, "GATHER_TILE_BYTES", 64)
-    real = store_module.DeviceLayer.attend_tiled
-    monkeypatch.setattr(store_module.DeviceLayer, "attend_tiled", lambda self, *a: calls.append(1) or real(self, *a))
+    monkeypatch.setattr(attend, "GATHER_TILE_BYTES", 64)
+    real = attend.attend_tiled
+    monkeypatch.setattr(attend, "attend_tiled", lambda *a: calls.append(1) or real(*a))
     jax.clear_caches()  # trace again: the compiled steps above took the untiled path
     tiled, _ = run(policy, TOKENS, LENGTHS, steps=20)
     assert calls, "the tiled path ran"

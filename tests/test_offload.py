@@ -43,7 +43,7 @@ def run(policy, steps=40):
 POLICIES = {
     "full": lambda **kw: FullKV(**kw),
     "clusterkv": lambda **kw: ClusterKV(budget=48, **SMALL, **kw),
-    "clusterkv_shared_R2": lambda **kw: ClusterKV(budget=48, gqa="shared", cache_steps=2, **SMALL, **kw),
+    "clusterkv_shared_R2": lambda **kw: ClusterKV(budget=48, gqa="shared", recall_steps=2, **SMALL, **kw),
     "quest": lambda **kw: Quest(budget=48, page_size=8, **kw),
 }
 
@@ -79,8 +79,8 @@ def test_generate_with_offload_gives_the_same_tokens():
 
 def test_longer_cache_history_hits_at_least_as_often():
     """Offload does not change the trajectory, so R=2 sees the same selections as R=1 and a superset cache."""
-    _, r1 = run(ClusterKV(budget=48, offload=True, cache_steps=1, **SMALL))
-    _, r2 = run(ClusterKV(budget=48, offload=True, cache_steps=2, **SMALL))
+    _, r1 = run(ClusterKV(budget=48, offload=True, recall_steps=1, **SMALL))
+    _, r2 = run(ClusterKV(budget=48, offload=True, recall_steps=2, **SMALL))
     for a, b in zip(offload.hit_rates(r1)[2:], offload.hit_rates(r2)[2:]):
         assert b >= a - 1e-9
     assert offload.hit_rates(r1)[2] > 0  # consecutive steps do share clusters
@@ -116,7 +116,7 @@ def test_recall_cache_matches_numpy_simulation_and_returns_host_rows(R, chunk, a
     rng = np.random.default_rng(R)
     B, K, h, M, H = 2, 2, 4, 12, 16
     S = 64 * chunk
-    store = HostKV.create(1, B, K, S, H, jnp.float32, window=16, selection_shape=(B, h, M, chunk), cache_steps=R)
+    store = HostKV.create(1, B, K, S, H, jnp.float32, window=16, selection_shape=(B, h, M, chunk), recall_steps=R)
     store = store.replace(k=offload.to_host(jnp.asarray(rng.normal(size=(1, B, K, S, H)), jnp.float32)),
                           v=offload.to_host(jnp.asarray(rng.normal(size=(1, B, K, S, H)), jnp.float32)))
 
@@ -184,7 +184,7 @@ def test_bench_offload_reports_hit_rates_bytes_and_clustering_share():
 
     model = Model(CFG, PARAMS, tokenizer=None)
     ids = TOKENS[0].tolist()
-    res = bench_offload(model, ids, context=200, new_tokens=20, budget=48, cache_steps=[1, 2], progress=False)
+    res = bench_offload(model, ids, context=200, new_tokens=20, budget=48, recall_steps=[1, 2], progress=False)
     r1, r2 = res["runs"]["R=1"], res["runs"]["R=2"]
     assert 0 < r1["hit_rate"] <= r2["hit_rate"] <= 1
     assert r1["kv_bytes"]["host"] == r2["kv_bytes"]["host"] > 0

@@ -300,7 +300,7 @@ def test_cluster_block_index_equals_rank_and_index():
                          jnp.int32)
     scores = jnp.asarray(rng.standard_normal((B, K, G, C)), jnp.float32)
     want = rank_and_index(scores, sizes, starts, 300, Mb, 16)
-    got = rank_and_index(scores, sizes, starts, 300, Mb, 16, kernel="interpret")
+    got = rank_and_index(scores, sizes, starts, 300, Mb, 16, impl="interpret")
     for g, w in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     assert int(np.asarray(want[1]).sum()) > 0
@@ -368,27 +368,28 @@ def test_kernels_supported():
     assert not dispatch.kernels_supported(_fake_device("cpu"))
 
 
-def test_use_kernels_modes():
-    assert dispatch.use_kernels("reference") is False
-    assert dispatch.use_kernels("auto") is dispatch.kernels_supported()
+def test_kernel_modes_resolve_in_one_place():
+    from clusterkv_jax.kernels import resolve
+
+    assert resolve("reference") == "reference"
+    assert resolve("auto") == ("pallas" if dispatch.kernels_supported() else "reference")
     with pytest.raises(ValueError, match="kernel mode"):
-        dispatch.use_kernels("triton")
+        resolve("triton")
     if not dispatch.kernels_supported():
         with pytest.raises(RuntimeError, match="compute capability"):
-            dispatch.use_kernels("pallas")
-    assert dispatch.use_kernels("pallas", interpret=True) is True
+            resolve("pallas")
+    assert resolve("interpret") == "interpret"
 
 
 def test_on_tpu_clusterkv_runs_the_mosaic_kernels(monkeypatch):
-    from clusterkv_jax import kmeans
+    from clusterkv_jax import kernels, kmeans
     from clusterkv_jax.policies import ClusterKV
-    from clusterkv_jax.policies import clusterkv as clusterkv_module
     from pallas_kernels.centroid_update_tpu import centroid_update_tpu
 
     assert not dispatch.on_tpu()  # this CPU-only machine
     assert dispatch.on_tpu(_fake_device("tpu")) and not dispatch.on_tpu(_fake_device("gpu", "9.0"))
-    monkeypatch.setattr(clusterkv_module, "on_tpu", lambda: True)
-    assert [ClusterKV(kernels=k).kernel for k in ("auto", "pallas", "reference", "interpret")] == [
+    monkeypatch.setattr(dispatch, "on_tpu", lambda: True)
+    assert [kernels.resolve(ClusterKV(kernels=k).kernels) for k in ("auto", "pallas", "reference", "interpret")] == [
         "tpu", "tpu", "reference", "interpret"]
     # kernel "tpu": K-means sums and the block indexing by the Mosaic kernels (here in TPU interpret mode).
     calls = []
@@ -399,20 +400,20 @@ def test_on_tpu_clusterkv_runs_the_mosaic_kernels(monkeypatch):
             return kernel(*args, **kwargs, interpret=True)
         return run
 
-    monkeypatch.setattr(kmeans, "centroid_update_tpu", interpreted(centroid_update_tpu))
-    monkeypatch.setattr(clusterkv_module, "cluster_to_block_index_tpu", interpreted(cluster_to_block_index_tpu))
+    monkeypatch.setattr(kernels, "centroid_update_tpu", interpreted(centroid_update_tpu))
+    monkeypatch.setattr(kernels, "cluster_to_block_index_tpu", interpreted(cluster_to_block_index_tpu))
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.standard_normal((3, 200, 16)), jnp.float32)
     labels = _labels(rng, 3, 200, 12, "uniform", lengths=[200, 150, 7])
-    sums, counts = kmeans._member_sums(labels, x, 12, kernel="tpu")
+    sums, counts = kmeans._member_sums(labels, x, 12, impl="tpu")
     want_sums, want_counts = centroid_update_reference(x, labels, 12)
     assert calls == ["centroid_update_tpu"]
     _assert_sums_close((sums, counts.astype(jnp.int32)), (want_sums, want_counts), x)
     scores = jnp.asarray(rng.standard_normal((2, 3, 20)), jnp.float32)
     sizes = jnp.asarray(rng.integers(0, 40, (2, 3, 20)), jnp.int32)
     starts = jnp.asarray(rng.integers(0, 100, (2, 3, 20)), jnp.int32)
-    got = rank_and_index(scores, sizes, starts, 100, 20, 16, kernel="tpu")
-    want = rank_and_index(scores, sizes, starts, 100, 20, 16, kernel="reference")
+    got = rank_and_index(scores, sizes, starts, 100, 20, 16, impl="tpu")
+    want = rank_and_index(scores, sizes, starts, 100, 20, 16, impl="reference")
     assert calls == ["centroid_update_tpu", "cluster_to_block_index_tpu"]
     for g, w in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
@@ -458,19 +459,20 @@ def test_check_lowering_compiles_to_cubin():
 def test_compile_for_chooses_kernels_for_the_target_device():
     """Ahead-of-time compilation for a GPU that is not attached: inside `compile_for(device)` the kernel switch
     answers for that device, outside for the first JAX device (this CPU), also after an error inside."""
+    from clusterkv_jax.kernels import resolve
     from clusterkv_jax.policies import ClusterKV
 
     h100, tpu = _fake_device("gpu", "9.0"), _fake_device("tpu")
-    assert ClusterKV().kernel == "reference"
+    assert resolve(ClusterKV().kernels) == "reference"
     with dispatch.compile_for(h100):
-        assert dispatch.kernels_supported() and dispatch.use_kernels("auto") and dispatch.use_kernels("pallas")
-        assert [ClusterKV(kernels=k).kernel for k in ("auto", "pallas", "reference")] == [
+        assert dispatch.kernels_supported() and resolve("auto") == "pallas" and resolve("pallas") == "pallas"
+        assert [resolve(ClusterKV(kernels=k).kernels) for k in ("auto", "pallas", "reference")] == [
             "pallas", "pallas", "reference"]
         with dispatch.compile_for(tpu):  # the innermost target wins
-            assert dispatch.on_tpu() and ClusterKV().kernel == "tpu"
+            assert dispatch.on_tpu() and resolve(ClusterKV().kernels) == "tpu"
         assert not dispatch.on_tpu()
     with pytest.raises(KeyError), dispatch.compile_for(h100):
         raise KeyError("inside")
-    assert not dispatch.kernels_supported() and ClusterKV().kernel == "reference"
+    assert not dispatch.kernels_supported() and resolve(ClusterKV().kernels) == "reference"
     with dispatch.compile_for(_fake_device("gpu", "7.5")), pytest.raises(RuntimeError, match="compute capability"):
-        dispatch.use_kernels("pallas")
+        resolve("pallas")

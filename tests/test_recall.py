@@ -87,6 +87,7 @@ def test_probe_scores_the_selection_made_after_indexing_due_tokens():
     made after the new clusters exist (they can displace prompt clusters), not before."""
     import jax.numpy as jnp
 
+    from clusterkv_jax.attend import index_window
     from clusterkv_jax.eval.recall import RecallProbe
     from clusterkv_jax.policies import ClusterKV
     from clusterkv_jax.store import DeviceKV
@@ -107,7 +108,7 @@ def test_probe_scores_the_selection_made_after_indexing_due_tokens():
     prompt_keys = jnp.where(jnp.arange(S)[None, None, :, None] < P0, keys, 0.0)
     state = probe.after_prefill(state, prompt_keys, prompt)
     kv = DeviceKV(k=jnp.asarray(keys)[None], v=jnp.asarray(keys)[None]).layer(jnp.int32(0))
-    _, after, _ = probe.decode_attention(state, q, kv, lengths, prompt)
+    after = probe.observe_decode(state, q, kv, lengths, prompt)
 
     def token_recall(inner):
         idx, mask = policy.selected_positions(inner, q, None, lengths, prompt)
@@ -116,7 +117,7 @@ def test_probe_scores_the_selection_made_after_indexing_due_tokens():
         idx, mask = np.asarray(idx), np.asarray(mask)
         return np.mean([len(set(top[0, n]) & set(idx[0, n][mask[0, n]].tolist())) / 24 for n in range(N)])
 
-    indexed = policy.index_window(state.inner[0], kv, lengths, prompt, rows_of=lambda x: x)  # a position store
+    indexed = index_window(policy, state.inner[0], kv, lengths, prompt, rows_of=lambda x: x)  # a position store
     assert int(indexed.clustered_upto[0]) == P0 + W  # the generated tokens were clustered at this step
     now, late = token_recall(indexed), token_recall(state.inner[0])
     assert now < late, "the due clusters displace prompt clusters at this step"

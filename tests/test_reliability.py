@@ -235,7 +235,7 @@ def test_generate_refuses_malformed_prompts(tiny_model):
 
 def test_policy_fields_are_checked():
     from clusterkv_jax import FullKV
-    from clusterkv_jax.eval.policies import make_policy
+    from clusterkv_jax.policies import make_policy
 
     with pytest.raises(TypeError, match="full_layers"):
         FullKV(full_layers=3)  # not a setting of FullKV (every layer is full)
@@ -245,15 +245,15 @@ def test_policy_fields_are_checked():
 
 
 def test_policy_flags_build_the_policies_they_name():
-    from clusterkv_jax.cli import _policy_options, build_parser
-    from clusterkv_jax.eval.policies import make_policy
-    from clusterkv_jax.policies import ClusterKV, InfiniGen, Quest, SnapKV
+    from clusterkv_jax.cli import build_parser
+    from clusterkv_jax.commands import policy_options
+    from clusterkv_jax.policies import ClusterKV, InfiniGen, Quest, SnapKV, make_policy
 
     args = build_parser().parse_args(
         ["eval", "recall", "--model", "m", "--text", "t", "--policies", "clusterkv,quest,snapkv,infinigen",
          "--score", "density", "--block-refine", "4", "--tokens-per-cluster", "40", "--block-size", "4",
          "--quest-sinks", "16", "--gqa", "shared", "--kmeans-seed", "3"])
-    options = _policy_options(args)
+    options = policy_options(args)
     built = {name: make_policy(name, 512, **options.get(name, {})) for name in args.policies}
     assert built == {"clusterkv": ClusterKV(budget=512, score="density", block_refine=4, tokens_per_cluster=40,
                                             block_size=4, gqa="shared", seed=3),

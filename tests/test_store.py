@@ -19,7 +19,7 @@ n, B, K, S, H, W = 2, 2, 2, 24, 4, 6
 
 def _stores():
     device = DeviceKV.create(n, B, K, S, H, jnp.float32)
-    host = HostKV.create(n, B, K, S, H, jnp.float32, window=W, selection_shape=(B, 2 * K, 5, 1), cache_steps=1)
+    host = HostKV.create(n, B, K, S, H, jnp.float32, window=W, selection_shape=(B, 2 * K, 5, 1), recall_steps=1)
     return {"device": device, "host": host}
 
 
@@ -83,7 +83,7 @@ def test_chunks_layers_and_window_commits_against_numpy(placement, aligned):
     if placement == "device":
         store = DeviceKV.create(n, B, K, S, H, jnp.float32)
     else:
-        store = HostKV.create(n, B, K, S, H, jnp.float32, window=W, selection_shape=(B, K, c, chunk), cache_steps=2)
+        store = HostKV.create(n, B, K, S, H, jnp.float32, window=W, selection_shape=(B, K, c, chunk), recall_steps=2)
     want_k, want_v = rng.normal(size=(2, B, K, S, H)).astype(np.float32)
     store = jax.jit(lambda s, k, v: s.write_layer(jnp.int32(0), k, v))(store, want_k, want_v)
     view = lambda s: s.layer(jnp.int32(0))  # noqa: E731

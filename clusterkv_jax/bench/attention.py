@@ -13,12 +13,13 @@ import jax
 import jax.numpy as jnp
 
 from clusterkv_jax import attention
+from clusterkv_jax.attend import decode_selecting, write_prompt_layer
 from clusterkv_jax.bench.measure import compiled, timed
 from clusterkv_jax.bench.synthetic import synthetic_kv
+from clusterkv_jax.cache import LayerGroup
 from clusterkv_jax.config import ModelConfig
 from clusterkv_jax.generate import bucket_length, cache_capacity
 from clusterkv_jax.policies import KVPolicy
-from clusterkv_jax.cache import LayerGroup, write_prompt_layer
 from clusterkv_jax.store import DeviceKV
 
 
@@ -48,9 +49,9 @@ def _given_selection(policy: KVPolicy, selection) -> KVPolicy:
 
 def bench_attention(config: ModelConfig, policies: dict[str, KVPolicy], contexts: list[int], *, batch: int = 1,
                     dtype=jnp.float32, repeats: int = 20, seed: int = 0, progress: bool = True) -> dict[str, Any]:
-    """One layer's decode attention: full (`attention.decode_attention`) vs each selecting policy's
-    `decode_attention` (over its own store layout, the store donated as in the model's step), its `select` alone,
-    and the step given the selection (select_in_step_ms: the step's time less this). Each time is the median of
+    """One layer's decode attention: full (`attention.decode_attention`) vs each selecting policy's decode step
+    (`attend.decode_selecting`, over its own store layout, the store donated as in the model's step), its `select`
+    alone, and the step given the selection (select_in_step_ms: the step's time less this). Each time is the median of
     `repeats` calls; every step, and the step given its selection, is timed right after a full-attention call (a
     program that reads the whole layer, as the layers before do in a model), the select after the given step.
     Policies that select in no layer of `config` (full KV) are timed once, as "full"."""
@@ -87,11 +88,10 @@ def bench_attention(config: ModelConfig, policies: dict[str, KVPolicy], contexts
             # As in the model's decode step, the state and the store are donated (a policy may update them in
             # place; without donation a step that may rewrite them copies them whole). The lengths do not grow, so
             # every call makes the same selection.
-            attend = jax.jit(lambda s, q, st, n, p=policy: _output_state_and_store(p.decode_attention(
-                s, q, st.layer(jnp.int32(0), capacity), n, n)), donate_argnums=(0, 2))
-            given = jax.jit(lambda s, q, st, n, sel, p=policy: _output_state_and_store(
-                _given_selection(p, sel).decode_attention(s, q, st.layer(jnp.int32(0), capacity), n, n)),
-                donate_argnums=(0, 2))
+            attend = jax.jit(lambda s, q, st, n, p=policy: _output_state_and_store(decode_selecting(
+                p, s, q, st.layer(jnp.int32(0), capacity), n, n)), donate_argnums=(0, 2))
+            given = jax.jit(lambda s, q, st, n, sel, p=policy: _output_state_and_store(decode_selecting(
+                _given_selection(p, sel), s, q, st.layer(jnp.int32(0), capacity), n, n)), donate_argnums=(0, 2))
             keys = k if policy.reads_all_keys else None
             select = compiled(jax.jit(lambda s, q, k, n, p=policy: p.select(s, q, k, n, n)), lay, q, keys,
                               lengths)[0]

@@ -32,7 +32,7 @@ from clusterkv_jax.bench.roofline import step_bytes
 from clusterkv_jax.bench.synthetic import synthetic_kv, synthetic_prefill
 from clusterkv_jax.cache import KVCache, init_cache, kv_bytes
 from clusterkv_jax.config import ModelConfig
-from clusterkv_jax.eval.policies import make_policy
+from clusterkv_jax.policies import make_policy
 from clusterkv_jax.generate import bucket_length, cache_capacity, decode_step, prefill
 from clusterkv_jax.offload import hit_rates
 from clusterkv_jax.policies import FullKV, KVPolicy

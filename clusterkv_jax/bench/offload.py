@@ -1,5 +1,5 @@
 """`clusterkv bench offload`: ClusterKV with host-offloaded KV: the device recall cache's hit rate for each
-R = cache_steps, the rows moved per step, the device and host KV bytes, and the clustering's share of prefill
+R = recall_steps, the rows moved per step, the device and host KV bytes, and the clustering's share of prefill
 (prefill with ClusterKV minus prefill with full KV, timed interleaved in one process)."""
 
 from __future__ import annotations
@@ -45,13 +45,13 @@ def prefill_times(model, prompt_ids: list[int], policies: dict[str, Any], repeat
 
 
 def bench_offload(model, token_ids: list[int], *, context: int, new_tokens: int, budget: int,
-                  cache_steps: list[int], progress: bool = True) -> dict[str, Any]:
+                  recall_steps: list[int], progress: bool = True) -> dict[str, Any]:
     if len(token_ids) < context:
         raise ValueError(f"text has {len(token_ids)} tokens; --context {context} needs more")
     prompt = token_ids[:context]
     results: dict[str, Any] = {"context": context, "new_tokens": new_tokens, "budget": budget, "runs": {}}
-    for R in cache_steps:
-        policy = ClusterKV(budget=budget, offload=True, cache_steps=R)
+    for R in recall_steps:
+        policy = ClusterKV(budget=budget, offload=True, recall_steps=R)
         out = generate(model, prompt, new_tokens, policy=policy, stop_at_eos=False, return_cache=True)
         rates = [r for r in hit_rates(out.cache) if r is not None]
         recall = out.cache.selecting.store.recall

@@ -1,13 +1,14 @@
 """Synthetic caches: random K/V of a real geometry, with keys that gather around directions as real keys do,
-stored and indexed as a prefill would (`cache.write_prompt`), for contexts no small real model reaches."""
+stored and indexed as a prefill would (`attend.write_prompt`), for contexts no small real model reaches."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from clusterkv_jax.attend import write_prompt
 from clusterkv_jax.bench.measure import compiled, timed
-from clusterkv_jax.cache import KVCache, init_cache, write_prompt
+from clusterkv_jax.cache import KVCache, init_cache
 from clusterkv_jax.config import ModelConfig
 
 

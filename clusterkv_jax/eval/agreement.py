@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from clusterkv_jax.eval.policies import make_policy
+from clusterkv_jax.policies import make_policy
 from clusterkv_jax.eval.ppl import check_span, window_offsets
 from clusterkv_jax.generate import generate
 from clusterkv_jax.policies import FullKV

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from clusterkv_jax.eval.metrics import score
-from clusterkv_jax.eval.policies import make_policy, parse_choices
+from clusterkv_jax.policies import make_policy, parse_choices
 from clusterkv_jax.generate import generate
 
 LONGBENCH_TASKS = ("narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "gov_report",

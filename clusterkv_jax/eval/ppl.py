@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from clusterkv_jax.cache import init_cache
 from clusterkv_jax.config import ModelConfig
-from clusterkv_jax.eval.policies import make_policy
+from clusterkv_jax.policies import make_policy
 from clusterkv_jax.generate import bucket_length, cache_capacity
 from clusterkv_jax.model import forward_decode, forward_prefill
 from clusterkv_jax.policies import FullKV

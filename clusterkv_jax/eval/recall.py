@@ -1,8 +1,9 @@
 """Recall of the budgeted selection: how much of the true top-B tokens and of the attention mass each policy
 keeps, measured on the exact (full-KV) decode trajectory.
 
-`RecallProbe` is itself a KVPolicy: the model attends to the whole cache (so every policy sees the same
-queries and keys), while the probe asks each wrapped policy for its selection and accumulates, per layer,
+`RecallProbe` is itself a KVPolicy that covers every token: the model attends to the whole cache (so every policy
+sees the same queries and keys), while the probe, observing each decode step, asks each wrapped policy for its
+selection and accumulates, per layer,
   token recall  |selected ∩ true top-B by q·k| / min(B, prompt)   over the prompt tokens, and
   mass recall   Σ_{selected} softmax(q·k / √H) over the prompt,
 averaged over query heads and sequences. One prefill and one decode loop serve every (policy, budget).
@@ -22,21 +23,21 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from clusterkv_jax.attention import decode_attention
+from clusterkv_jax import axes
+from clusterkv_jax.attend import index_window
 from clusterkv_jax.cache import init_cache
-from clusterkv_jax.eval.policies import make_policy
 from clusterkv_jax.eval.report import json_safe
 from clusterkv_jax.generate import bucket_length, cache_capacity, decode_step, prefill
-from clusterkv_jax.policies.base import KVPolicy
+from clusterkv_jax.policies import KVPolicy, make_policy
 
 
 @flax.struct.dataclass
 class ProbeState:
-    layer: jax.Array  # [] this layer's index in the model (stacked: [n])
+    layer: jax.Array = axes.field()  # [] this layer's index in the model (stacked: [n])
     inner: tuple  # each wrapped policy's layer state
-    token_recall: jax.Array  # [P] sums over steps
-    mass_recall: jax.Array  # [P]
-    steps: jax.Array  # [] decode steps measured
+    token_recall: jax.Array = axes.field("policies")  # [P] sums over steps
+    mass_recall: jax.Array = axes.field("policies")  # [P]
+    steps: jax.Array = axes.field()  # [] decode steps measured
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,10 +78,12 @@ class RecallProbe(KVPolicy):
         )
         return state.replace(inner=inner)
 
-    def decode_attention(self, state, q, kv, lengths, prompt_lengths):
-        """Attends to every token (so every policy sees the exact trajectory's queries and keys), and scores
-        each wrapped policy's selection, made as in its own decode step: its index advanced first."""
-        keys, values = kv.keys(), kv.values()
+    def covers(self, capacity):
+        return True  # the model attends to every token, so every policy sees the exact trajectory
+
+    def observe_decode(self, state, q, kv, lengths, prompt_lengths):
+        """Scores each wrapped policy's selection, made as in its own decode step: its index advanced first."""
+        keys = kv.keys()
         B, N, H = q.shape
         K, S = keys.shape[1], keys.shape[2]
         G = N // K
@@ -96,7 +99,7 @@ class RecallProbe(KVPolicy):
             active = state.layer >= p.full_layers
             # Advance the wrapped policy as it advances itself (decode-time clusters, pages, ...), then select. This
             # store is position-ordered: the window's keys are read by position, whatever the policy's own layout.
-            s = jax.lax.cond(active, lambda s, p=p: p.index_window(s, kv, lengths, prompt_lengths, rows_of=lambda x: x),
+            s = jax.lax.cond(active, lambda s, p=p: index_window(p, s, kv, lengths, prompt_lengths, rows_of=lambda x: x),
                              lambda s: s, s)
             idx, mask = p.selected_positions(s, q, keys, lengths, prompt_lengths)
             if idx.shape[1] != N:  # one selection per KV head, shared by its query heads
@@ -113,13 +116,12 @@ class RecallProbe(KVPolicy):
             token_recall.append(jnp.where(active, jnp.mean(hits), 0.0))
             mass_recall.append(jnp.where(active, jnp.mean(mass), 0.0))
             inner.append(s)
-        out = decode_attention(q, keys, values, lengths)
-        return out, state.replace(
+        return state.replace(
             inner=tuple(inner),
             token_recall=state.token_recall + jnp.stack(token_recall),
             mass_recall=state.mass_recall + jnp.stack(mass_recall),
             steps=state.steps + 1,
-        ), kv
+        )
 
     def summary(self, state: ProbeState) -> list[tuple[float, float]]:
         """(token recall, mass recall) per wrapped policy, averaged over steps and its selecting layers."""

@@ -22,7 +22,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from clusterkv_jax.eval.longbench import _runs, generate_batched
-from clusterkv_jax.eval.policies import make_policy, parse_choices
+from clusterkv_jax.policies import make_policy, parse_choices
 
 SYNTHETIC_TASKS = ("niah_single", "niah_multikey", "kv_retrieval")
 MULTIKEY_NEEDLES = 4

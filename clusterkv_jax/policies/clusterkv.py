@@ -15,8 +15,8 @@ Layout of this policy's layers: the store keeps each cluster's members in consec
                                     cluster (prompt clusters, then each decode-time group)
 
 A selection is at most `block_slots()` blocks: the budget's blocks plus one per cluster of average size it could
-take plus 4. On SmolLM2-135M at 8k the clusters the rule selects needed at most 74 of the 80 slots at B=1024; if
-they ever needed more, the last clusters would be dropped and the budget left unfilled. `row_positions` maps
+take plus 4 (measured against what the rule selects in RESULTS.md); if the clusters ever needed more, the last
+ones would be dropped and the budget left unfilled. `row_positions` maps
 rows back to token positions (the recall evaluation, tests). The store holds ~1.2x the rows of a position-ordered
 one (each cluster's last block is partly empty).
 
@@ -27,24 +27,18 @@ C cluster slots, W = decode_interval, bs = block_size, Mb block slots, ns sink b
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
+from clusterkv_jax import axes, kernels
 from clusterkv_jax.kmeans import cosine_kmeans, problem_keys
-from clusterkv_jax.ops import per_shard, top_k_indices
-from clusterkv_jax.policies.base import KVPolicy
-from clusterkv_jax.store import Selection
-from pallas_kernels import (
-    centroid_update_reference,
-    cluster_to_block_index,
-    cluster_to_block_index_reference,
-    cluster_to_block_index_tpu,
-    on_tpu,
-    use_kernels,
-)
+from clusterkv_jax.ops import top_k_indices
+from clusterkv_jax.policies.base import KVPolicy, option
+from clusterkv_jax.policies.common import ring_window_mask
+from clusterkv_jax.selection import Selection
+from pallas_kernels import centroid_update_reference
 
 SCORES = ("dot", "density")
 
@@ -68,16 +62,23 @@ def member_variances(keys: jax.Array, labels: jax.Array, centroids: jax.Array, s
 class ClusterIndex:
     """One layer's clusters and the layout of its store."""
 
-    centroids: jax.Array  # [B, K, C, H] float32 mean of member keys
-    sizes: jax.Array  # [B, K, C] int32 members (0: unused slot)
-    block_start: jax.Array  # [B, K, C] int32 the cluster's first block (rows block_start * bs ...)
-    row_positions: jax.Array  # [B, K, R] int32 the position each store row holds (-1: empty)
-    next_block: jax.Array  # [B, K] int32 first block not used yet
-    recent_rows: jax.Array  # [B, K, W] int32 rows the last clustered window moved to (by offset in the window)
-    clustered_upto: jax.Array  # [B] int32 positions < this are sinks or clustered; the rest are the window
-    num_prompt_clusters: jax.Array  # [B] int32 C0 of each sequence (decode-time clusters follow)
-    variances: jax.Array  # [B, K, C, H] float32 per-channel variance of member keys ([B, K, 0, H]: score "dot")
-    block_means: jax.Array  # [B, K, R // bs, H] float32 mean key of each store block's rows ([B, K, 0, H]: no refine)
+    # [B, K, C, H] float32 mean of member keys
+    centroids: jax.Array = axes.field("batch", "kv_heads", "clusters", "head_dim")
+    sizes: jax.Array = axes.field("batch", "kv_heads", "clusters")  # [B, K, C] int32 members (0: unused slot)
+    # [B, K, C] int32 the cluster's first block (rows block_start * bs ...)
+    block_start: jax.Array = axes.field("batch", "kv_heads", "clusters")
+    # [B, K, R] int32 the position each store row holds (-1: empty)
+    row_positions: jax.Array = axes.field("batch", "kv_heads", "rows")
+    next_block: jax.Array = axes.field("batch", "kv_heads")  # [B, K] int32 first block not used yet
+    # [B, K, W] int32 rows the last clustered window moved to (by offset in the window)
+    recent_rows: jax.Array = axes.field("batch", "kv_heads", "window")
+    # [B] int32 positions < this are sinks or clustered; the rest are the window
+    clustered_upto: jax.Array = axes.field("batch")
+    num_prompt_clusters: jax.Array = axes.field("batch")  # [B] int32 C0 of each sequence (decode-time clusters follow)
+    # [B, K, C, H] float32 per-channel variance of member keys ([B, K, 0, H]: score "dot")
+    variances: jax.Array = axes.field("batch", "kv_heads", "clusters", "head_dim")
+    # [B, K, R // bs, H] float32 mean key of each store block's rows ([B, K, 0, H]: no refine)
+    block_means: jax.Array = axes.field("batch", "kv_heads", "blocks", "head_dim")
 
 
 def _exclusive_cumsum(x: jax.Array) -> jax.Array:
@@ -91,7 +92,7 @@ def rank_and_index(
     tokens: int,
     slots: int,
     block_size: int,
-    kernel: str = "reference",
+    impl: str = "reference",
     first: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Clusters in descending score order (ties to the lower index), members taken until `tokens` tokens or
@@ -101,9 +102,8 @@ def rank_and_index(
     The top `slots` clusters come from `lax.top_k` (no cluster beyond them can be taken: each takes a block).
     With `first`, the top `first` only, when they already fill the tokens or the slots of every problem (then
     nothing ranked below them is taken: the same result), else the top `slots` (`lax.cond`): on XLA:CPU a top_k
-    costs about its k (32 rows of 416 scores: 0.50 ms for k=80, 0.24 ms for k=32). The block indexing is
-    `pallas_kernels.cluster_to_block_index`: the Pallas kernel (kernel "pallas" / "interpret", per device shard
-    under a mesh), its Mosaic version (kernel "tpu") or its reference.
+    costs about its k (RESULTS.md). The block indexing is `kernels.cluster_to_block_index` with implementation
+    `impl`.
     """
     scores = jnp.where(sizes > 0, scores, -jnp.inf)
 
@@ -112,14 +112,8 @@ def rank_and_index(
         return jnp.take_along_axis(sizes, top, axis=-1), jnp.take_along_axis(block_start, top, axis=-1)
 
     def index(ranked_sizes, ranked_starts):
-        if kernel == "reference":
-            return cluster_to_block_index_reference(ranked_sizes, ranked_starts, tokens, slots, block_size)
-        if kernel == "tpu":
-            run = functools.partial(cluster_to_block_index_tpu, tokens=tokens, slots=slots, block_size=block_size)
-        else:
-            run = functools.partial(cluster_to_block_index, tokens=tokens, slots=slots, block_size=block_size,
-                                    interpret=kernel == "interpret")
-        return per_shard(lambda s, st: run(s, st), ranked_sizes, ranked_starts)
+        return kernels.cluster_to_block_index(ranked_sizes, ranked_starts, tokens=tokens, slots=slots,
+                                              block_size=block_size, impl=impl)
 
     every = min(slots, scores.shape[-1])
     if first is None or first >= every:
@@ -140,8 +134,8 @@ def _layout_rows(labels, sizes, block_start, block_size: int, num_clusters: int)
     n = labels.shape[-1]
     labels = jnp.minimum(labels, num_clusters)
     if (num_clusters + 1) * n < _SORT_KEY_LIMIT:
-        # One sort of label·n + offset (distinct int32 keys): on XLA:CPU 5x faster than the stable argsort's sort
-        # of (label, offset) pairs (3 problems of 7,984 keys: 0.63 vs 3.1 ms).
+        # One sort of label·n + offset (distinct int32 keys): on XLA:CPU several times faster than the stable
+        # argsort's sort of (label, offset) pairs (RESULTS.md).
         key = jnp.sort(labels * n + jnp.arange(n, dtype=labels.dtype), axis=-1)
         order, sorted_labels = key % n, key // n
     else:
@@ -172,81 +166,44 @@ class ClusterKV(KVPolicy):
     """ClusterKV (see the module docstring). `gqa="per_head"` ranks clusters per query head; `"shared"` sums
     the scores over a KV head's query heads and makes one selection per KV head."""
 
-    budget: int = 1024
-    sinks: int = 16
-    tokens_per_cluster: int = 80
-    decode_interval: int = 320
-    decode_clusters: int = 4
-    full_layers: int = 2
-    #: K-means iterations at most. On SmolLM2 at 8k none of the 84 problems settles within 20 (0.2% of keys still
-    #: move at iteration 20); 11 iterations keep attention-mass recall within 0.003 of 20's at B = 256..2048 and
-    #: take 0.55x the time (RESULTS.md, "Prefill").
-    max_iters: int = 11
-    #: A problem stops once at most this fraction of its keys changed cluster in an iteration (0: none moved).
-    kmeans_tol: float = 0.0
-    init: str = "random"
-    gqa: str = "per_head"
-    seed: int = 0
-    offload: bool = False
-    cache_steps: int = 1
-    #: How clusters are ranked at decode. "dot": q·μ (the paper). "density": q·μ/√H + ½ Σ_h q_h² σ_h² / H, the log
-    #: of a member's mean exp(q·k/√H) if member keys were Gaussian with the cluster's per-channel variance σ²
-    #: (mass per token: what a token budget filled greedily should rank by); it keeps σ² per cluster (as much
-    #: memory as the centroids).
-    score: str = "dot"
-    #: 1: select whole clusters (the paper). f >= 2: take clusters in score order until f times the budget, then
-    #: keep the best blocks among theirs by q·(mean key of the block), the last trimmed: finer than clusters, at
-    #: the cost of a mean key per store block (1/16 of the keys at block_size 16) and scoring f·B/16 blocks.
-    block_refine: int = 1
-    #: Rows per block of the store layout: selections read whole blocks.
-    block_size: int = 16
-    #: "auto" (Pallas kernels on CUDA sm80+, their Mosaic versions on TPU, pure JAX elsewhere), "pallas",
-    #: "reference", or "interpret"
-    #: (the Pallas kernels in interpret mode, on any device: slow, for tests).
-    kernels: str = "auto"
+    name = "clusterkv"
+    budget: int = option(1024, "tokens attended per step from the prompt and clustered generated tokens, sinks "
+                               "included", least=1)
+    sinks: int = option(16, "first tokens always attended (attention sinks), never clustered", least=0)
+    tokens_per_cluster: int = option(80, "prompt clusters per layer and KV head: (prompt - sinks) / this", least=1)
+    decode_interval: int = option(320, "generated tokens attended in full until this many are clustered together",
+                                  least=1)
+    decode_clusters: int = option(4, "clusters made of each decode_interval generated tokens", least=1)
+    full_layers: int = option(2, "the first layers attend to every token", least=0)
+    max_iters: int = option(11, "K-means iterations at most", least=1, flag="kmeans-iters")
+    kmeans_tol: float = option(0.0, "K-means stops once at most this fraction of keys changed cluster (0: none "
+                                    "moved)", least=0.0)
+    init: str = option("random", "K-means initialisation", choices=("random", "kmeans++"))
+    gqa: str = option("per_head", "per_head: a selection per query head; shared: one per KV head, by the sum "
+                                  "of its query heads' scores", choices=("per_head", "shared"))
+    seed: int = option(0, "seed of the K-means initialisation", least=0, flag="kmeans-seed")
+    offload: bool = option(False, "keep the selecting layers' K/V in host memory")
+    recall_steps: int = option(1, "offload: the device keeps the blocks selected in the last N steps", least=0)
+    score: str = option("dot", "cluster ranking: dot = q·mu (the paper); density = q·mu/sqrt(H) + "
+                               "sum(q^2 var)/2H, by the members' key variance", choices=SCORES)
+    block_refine: int = option(1, "1: whole clusters (the paper); F: clusters up to F x the budget, then their "
+                                  "best blocks by q·(block mean key)", least=1)
+    block_size: int = option(16, "rows per store block: the unit a selection reads", least=1)
+    kernels: str = option("auto", "auto: Pallas kernels on CUDA sm80+ (Mosaic on TPU), pure JAX elsewhere; "
+                                  "pallas; reference; interpret (slow, tests)", choices=kernels.MODES)
     #: The window is store rows [0, decode_interval) (`token_rows`).
     ring_window = True
 
     def __post_init__(self):
         super().__post_init__()
-        if self.sinks < 0:
-            raise ValueError(f"sinks must be >= 0, got {self.sinks}")
         if self.budget < self.sinks:
             raise ValueError(f"budget={self.budget} must be >= sinks={self.sinks}")
-        if self.tokens_per_cluster <= 0:
-            raise ValueError(f"tokens_per_cluster must be > 0, got {self.tokens_per_cluster}")
-        if self.decode_interval <= 0:
-            raise ValueError(f"decode_interval must be > 0, got {self.decode_interval}")
-        if not 0 < self.decode_clusters <= self.decode_interval:
+        if self.decode_clusters > self.decode_interval:
             raise ValueError(
                 f"decode_clusters={self.decode_clusters} must be in [1, decode_interval={self.decode_interval}]"
             )
-        if not 0.0 <= self.kmeans_tol < 1.0:
+        if self.kmeans_tol >= 1.0:
             raise ValueError(f"kmeans_tol must be in [0, 1), got {self.kmeans_tol}")
-        if self.max_iters < 1:
-            raise ValueError(f"max_iters must be >= 1, got {self.max_iters}")
-        if self.init not in ("random", "kmeans++"):
-            raise ValueError(f"init must be 'random' or 'kmeans++', got {self.init!r}")
-        if self.block_refine < 1:
-            raise ValueError(f"block_refine must be >= 1, got {self.block_refine}")
-        if self.score not in SCORES:
-            raise ValueError(f"score must be one of {', '.join(SCORES)}, got {self.score!r}")
-        if self.gqa not in ("per_head", "shared"):
-            raise ValueError(f"gqa must be 'per_head' or 'shared', got {self.gqa!r}")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.kernels not in ("auto", "pallas", "reference", "interpret"):
-            raise ValueError(f"kernels must be 'auto', 'pallas', 'reference' or 'interpret', got {self.kernels!r}")
-
-    @property
-    def kernel(self) -> str:
-        """The kernel path resolved for the current device: 'pallas' (Triton, CUDA sm80+), 'tpu' (Mosaic),
-        'interpret' or 'reference'."""
-        if self.kernels == "interpret":
-            return "interpret"
-        if self.kernels != "reference" and on_tpu():
-            return "tpu"
-        return "pallas" if use_kernels(self.kernels) else "reference"
 
     # ---- Static sizes, from the capacity S -----------------------------------------------------------------
 
@@ -326,7 +283,7 @@ class ClusterKV(KVPolicy):
                 max_clusters=C0,
                 max_iters=self.max_iters,
                 init=self.init,
-                kernel=self.kernel,
+                impl=kernels.resolve(self.kernels),
                 tol=self.kmeans_tol,
             )
         sizes = result.sizes  # [B, K, C0]
@@ -397,7 +354,7 @@ class ClusterKV(KVPolicy):
                 max_clusters=Cp,
                 max_iters=self.max_iters,
                 init=self.init,
-                kernel=self.kernel,
+                impl=kernels.resolve(self.kernels),
                 tol=self.kmeans_tol,
             )
         sizes = result.sizes  # [B, K, Cp]
@@ -434,14 +391,38 @@ class ClusterKV(KVPolicy):
         # A decode step changes the index only when it clusters a window (`index_recent`).
         return jnp.any(new_state.clustered_upto != old_state.clustered_upto)
 
-    def commit_recent(self, old_state: ClusterIndex, new_state: ClusterIndex, kv):
-        """Copies the window's rows of the sequences just clustered to their new blocks (a sequence not due
-        copies nothing: its destinations are out of range). The store decides whether to skip a step with
-        nothing due (`LayerView.commit_window`)."""
+    def recent_moves(self, old_state: ClusterIndex, new_state: ClusterIndex):
+        """The window's rows of the sequences just clustered go to their new blocks (a sequence not due moves
+        nothing: its destinations are out of range)."""
         due = new_state.clustered_upto != old_state.clustered_upto  # [B]
         W, R = self.decode_interval, old_state.row_positions.shape[-1]
         rows = (old_state.clustered_upto[:, None] + jnp.arange(W)) % W  # [B, W] the window's rows
-        return kv.commit_window(rows, jnp.where(due[:, None, None], new_state.recent_rows, R))
+        return rows, jnp.where(due[:, None, None], new_state.recent_rows, R)
+
+    def covers(self, capacity: int) -> bool:
+        # Every cluster fits the budget's tokens and its block slots, whatever the clustering: at most all
+        # positions past the sinks, in at most one partial block per cluster slot.
+        most_blocks = -(-max(capacity - self.sinks, 0) // self.block_size) + self.cluster_slots(capacity)
+        return capacity <= self.budget and most_blocks <= self.block_slots()
+
+    def covers_now(self, state: ClusterIndex, lengths, prompt_lengths):
+        # The ranking takes every cluster untrimmed when all of them fit the tokens and the block slots.
+        tokens = jnp.sum(state.sizes, axis=-1)  # [B, K]
+        blocks = jnp.sum(-(-state.sizes // self.block_size), axis=-1)
+        return (tokens <= self.budget - self.sinks) & (blocks <= self.block_slots())  # [B, K]
+
+    def covered_rows(self, capacity: int) -> int:
+        # Clusters take consecutive blocks after the window's rows and the sinks' blocks; when every cluster fits
+        # the block slots, so do the blocks they fill.
+        return min(self.store_rows(capacity), (self._first_block() + self._sink_blocks() + self.block_slots())
+                   * self.block_size)
+
+    def held_rows(self, state: ClusterIndex, lengths, capacity: int):
+        """Sinks and clustered tokens where `row_positions` says, the window's tokens in the ring of rows [0, W)."""
+        W, R = self.decode_interval, state.row_positions.shape[-1]
+        ring = ring_window_mask(lengths, state.clustered_upto, W, capacity)  # [B, W]
+        in_ring = jnp.pad(ring, ((0, 0), (0, R - W)))[:, None, :]
+        return (state.row_positions >= 0) | in_ring
 
     def _scores(self, state: ClusterIndex, q):
         """Every cluster's score (`score`): [B, K, G, C] per query head, or [B, K, 1, C] for the sum over a KV
@@ -476,8 +457,8 @@ class ClusterKV(KVPolicy):
         wanted = tokens * self.block_refine  # the clusters' tokens to take (refined to `tokens` below)
         # Usually ~wanted / tokens_per_cluster clusters fill it: rank twice that many first.
         first = 2 * -(-wanted // self.tokens_per_cluster) + 4
-        blocks, rows = rank_and_index(scores, ranked(state.sizes), ranked(state.block_start), wanted,
-                                      self.block_slots(wanted), bs, kernel=self.kernel, first=first)  # [B, K, g, *]
+        blocks, rows = rank_and_index(scores, ranked(state.sizes), ranked(state.block_start), wanted,  # [B, K, g, *]
+                                      self.block_slots(wanted), bs, impl=kernels.resolve(self.kernels), first=first)
         if self.block_refine > 1:
             blocks, rows = self._refine(state, q, blocks, rows, tokens, Mb)  # [B, K, g, Mb]
         offsets = jnp.arange(bs, dtype=jnp.int32)
@@ -499,7 +480,8 @@ class ClusterKV(KVPolicy):
         qg = self._grouped(q, K, lambda x: x)
         means = jnp.take_along_axis(state.block_means, blocks.reshape(B, K, g * M)[..., None], axis=-2)
         block_scores = jnp.einsum("BKgMH,BKgH->BKgM", means.reshape(B, K, g, M, H), qg)
-        return rank_and_index(block_scores, rows, blocks, tokens, slots, self.block_size, kernel=self.kernel)
+        return rank_and_index(block_scores, rows, blocks, tokens, slots, self.block_size,
+                              impl=kernels.resolve(self.kernels))
 
     def selection_positions(self, state: ClusterIndex, selection: Selection):
         B, h, n = selection.starts.shape

@@ -27,16 +27,21 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from clusterkv_jax import axes
 from clusterkv_jax.ops import top_k_indices
-from clusterkv_jax.policies.base import PromptBudgetPolicy
+from clusterkv_jax.policies.base import PromptBudgetPolicy, option
 from clusterkv_jax.policies.common import keep_observed
+from clusterkv_jax.selection import Selection
 
 
 @flax.struct.dataclass
 class InfiniGenState:
-    queries: jax.Array  # [B, N, n, H] float32 the prompt's last n post-RoPE queries
-    skew: jax.Array  # [B, K, H, r] float32 the r kept columns of the skewing matrix A
-    partial_keys: jax.Array  # [B, K, S, r] float32 keys · skew of the prompt (0 past it)
+    # [B, N, n, H] float32 the prompt's last n post-RoPE queries
+    queries: jax.Array = axes.field("batch", "heads", "window", "head_dim")
+    # [B, K, H, r] float32 the r kept columns of the skewing matrix A
+    skew: jax.Array = axes.field("batch", "kv_heads", "head_dim", "channels")
+    # [B, K, S, r] float32 keys · skew of the prompt (0 past it)
+    partial_keys: jax.Array = axes.field("batch", "kv_heads", "rows", "channels")
 
 
 def partial_channels(head_dim: int, ratio: float) -> int:
@@ -52,17 +57,16 @@ class InfiniGen(PromptBudgetPolicy):
     It reads every prompt token's r partial channels at every step (r / H of the keys' bytes).
     """
 
-    budget: int = 1024
-    partial_ratio: float = 0.3
-    sample: int = 64
-    full_layers: int = 2
+    name = "infinigen"
+    budget: int = option(1024, "prompt tokens attended per step", least=1)
+    partial_ratio: float = option(0.3, "fraction of the head dim scored per token (the skewed channels)")
+    sample: int = option(64, "the prompt's last queries the skewing basis is fitted to", least=1)
+    full_layers: int = option(2, "the first layers attend to every token", least=0)
 
     def __post_init__(self):
         super().__post_init__()
         if not 0 < self.partial_ratio <= 1:
             raise ValueError(f"partial_ratio must be in (0, 1], got {self.partial_ratio}")
-        if self.sample <= 0:
-            raise ValueError(f"sample must be > 0, got {self.sample}")
 
     @property
     def prompt_queries(self) -> int:
@@ -97,7 +101,7 @@ class InfiniGen(PromptBudgetPolicy):
         return state.replace(skew=skew, partial_keys=jnp.where(in_prompt, partial, 0.0))
 
     def select(self, state, q, keys, lengths, prompt_lengths):
-        """The top prompt tokens by partial score: idx, mask [B, N, M]."""
+        """The top prompt tokens by partial score: rows [B, N, M]."""
         B, N, H = q.shape
         K, S = state.partial_keys.shape[1], state.partial_keys.shape[2]
         M = min(self.budget, S)
@@ -106,4 +110,4 @@ class InfiniGen(PromptBudgetPolicy):
         scores = jnp.einsum("BKGr,BKSr->BKGS", q_partial, state.partial_keys).reshape(B, N, S)
         in_prompt = jnp.arange(S)[None, None, :] < prompt_lengths[:, None, None]
         idx = top_k_indices(jnp.where(in_prompt, scores, -jnp.inf), M)
-        return idx, idx < prompt_lengths[:, None, None]
+        return Selection.of_rows(idx, idx < prompt_lengths[:, None, None])

@@ -10,8 +10,8 @@ import dataclasses
 import jax.numpy as jnp
 
 from clusterkv_jax.ops import top_k_indices
-
-from clusterkv_jax.policies.base import PromptBudgetPolicy, StatelessPolicy
+from clusterkv_jax.policies.base import PromptBudgetPolicy, StatelessPolicy, option
+from clusterkv_jax.selection import Selection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,12 +27,13 @@ class OracleTopK(StatelessPolicy, PromptBudgetPolicy):
     A prompt of n tokens gives min(n, budget) selected tokens per head.
     """
 
-    budget: int = 1024
-    full_layers: int = 2
+    name = "oracle"
+    budget: int = option(1024, "prompt tokens attended per step", least=1)
+    full_layers: int = option(2, "the first layers attend to every token", least=0)
     reads_all_keys = True  # it scores every prompt key at every step
 
     def select(self, state, q, keys, lengths, prompt_lengths):
-        """The exact top prompt tokens: idx, mask [B, N, min(budget, S)]."""
+        """The exact top prompt tokens: rows [B, N, min(budget, S)]."""
         B, N, H = q.shape
         K, S = keys.shape[1], keys.shape[2]
         qg = q.reshape(B, K, N // K, H)  # [B, K, G, H]
@@ -41,4 +42,4 @@ class OracleTopK(StatelessPolicy, PromptBudgetPolicy):
         scores = jnp.where(in_prompt, scores, -jnp.inf)
         idx = top_k_indices(scores, min(self.budget, S))  # [B, N, M]
         # Finite prompt scores rank above the -inf padding, so only slots past the prompt are masked.
-        return idx, idx < prompt_lengths[:, None, None]
+        return Selection.of_rows(idx, idx < prompt_lengths[:, None, None])

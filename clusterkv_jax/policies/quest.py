@@ -16,21 +16,22 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from clusterkv_jax import axes
 from clusterkv_jax.ops import top_k_indices
-
-from clusterkv_jax.policies.base import KVPolicy
-from clusterkv_jax.store import Selection
+from clusterkv_jax.policies.base import KVPolicy, option
+from clusterkv_jax.selection import Selection
 
 
 @flax.struct.dataclass
 class QuestState:
     """One layer's page index."""
 
-    kmin: jax.Array  # [B, K, P, H] float32: element-wise min of the page's keys (0 for unused pages)
-    kmax: jax.Array  # [B, K, P, H] float32: element-wise max
-    page_start: jax.Array  # [B, P] int32: first position of the page
-    page_len: jax.Array  # [B, P] int32: tokens in the page, 0 = unused slot
-    indexed_upto: jax.Array  # [B] int32: positions [0, indexed_upto) are paged
+    # [B, K, P, H] float32: element-wise min of the page's keys (0 for unused pages)
+    kmin: jax.Array = axes.field("batch", "kv_heads", "pages", "head_dim")
+    kmax: jax.Array = axes.field("batch", "kv_heads", "pages", "head_dim")  # [B, K, P, H] float32: element-wise max
+    page_start: jax.Array = axes.field("batch", "pages")  # [B, P] int32: first position of the page
+    page_len: jax.Array = axes.field("batch", "pages")  # [B, P] int32: tokens in the page, 0 = unused slot
+    indexed_upto: jax.Array = axes.field("batch")  # [B] int32: positions [0, indexed_upto) are paged
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +46,7 @@ class Quest(KVPolicy):
 
     `sinks` > 0 always selects the pages holding positions [0, sinks) (they count against the budget). The
     Quest paper has no sinks (sinks=0, the default); models whose first token is an attention sink whatever
-    its content need them: on SmolLM2-135M at 8k context, B=1024, perplexity rises +8.3 over full KV without
-    the sink page and +0.3 with it (RESULTS.md, "Quest and the attention sink").
+    its content need them (RESULTS.md, "Quest and the attention sink").
 
     Budget accounting: pages are selected whole, so at most `budget // page_size` pages, i.e. at most
     `budget` tokens (a partial prompt page counts its real tokens only), come from the prompt and from
@@ -54,21 +54,19 @@ class Quest(KVPolicy):
     counted. With a budget covering every page, every token is attended.
     """
 
-    budget: int = 1024
-    page_size: int = 16
-    sinks: int = 0
-    full_layers: int = 2
-    offload: bool = False
-    cache_steps: int = 1
+    name = "quest"
+    budget: int = option(1024, "tokens attended per step from paged tokens, in whole pages", least=1)
+    page_size: int = option(16, "tokens per page", least=1)
+    sinks: int = option(0, "always select the pages of the first N tokens (0: none, as in the Quest paper)",
+                        least=0)
+    full_layers: int = option(2, "the first layers attend to every token", least=0)
+    offload: bool = option(False, "keep the selecting layers' K/V in host memory")
+    recall_steps: int = option(1, "offload: the device keeps the pages selected in the last N steps", least=0)
 
     def __post_init__(self):
         super().__post_init__()
-        if self.page_size <= 0:
-            raise ValueError(f"page_size must be > 0, got {self.page_size}")
         if self.budget < self.page_size:
             raise ValueError(f"budget={self.budget} must be >= page_size={self.page_size} (one whole page)")
-        if self.sinks < 0:
-            raise ValueError(f"sinks must be >= 0, got {self.sinks}")
         sink_pages = -(-self.sinks // self.page_size)
         if sink_pages > self.budget // self.page_size:
             raise ValueError(f"sinks={self.sinks} need {sink_pages} pages of {self.page_size}; budget={self.budget} "
@@ -148,6 +146,13 @@ class Quest(KVPolicy):
 
         # A page completes once every page_size steps: skip the gather and rewrite on the other steps.
         return jax.lax.cond(jnp.any(ready), append, lambda s: s, state)
+
+    def covers(self, capacity: int) -> bool:
+        return self.budget // self.page_size >= self.num_pages(capacity)
+
+    def covers_now(self, state: QuestState, lengths, prompt_lengths):
+        # Every page is selected; the unpaged tail is the window.
+        return jnp.sum(state.page_len > 0, axis=-1) <= self.budget // self.page_size
 
     def page_scores(self, state: QuestState, q) -> jax.Array:
         """Upper bounds Σ_d max(q_d·kmax_d, q_d·kmin_d) per query head and page -> [B, N, P] (-inf if unused)."""

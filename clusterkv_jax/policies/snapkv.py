@@ -2,7 +2,7 @@
 non-recallable eviction baseline.
 
 After prefill, each query head scores every prompt token by the attention its last `window` prompt queries
-(the observation window) give it, summed over those queries and smoothed by an average pool of `kernel`
+(the observation window) give it, summed over those queries and smoothed by an average pool of `pool_size`
 tokens (zero-padded, as `torch.nn.functional.avg_pool1d(padding=kernel // 2)`), and keeps the top
 `budget - window` tokens before the window plus the window itself. Nothing else is ever attended again: what
 the decode-time queries would have needed from the evicted tokens is lost, which is what recall (ClusterKV,
@@ -20,16 +20,19 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from clusterkv_jax import axes
 from clusterkv_jax.ops import top_k_indices
-from clusterkv_jax.policies.base import PromptBudgetPolicy
+from clusterkv_jax.policies.base import PromptBudgetPolicy, option
 from clusterkv_jax.policies.common import keep_observed
+from clusterkv_jax.selection import Selection
 
 
 @flax.struct.dataclass
 class SnapKVState:
-    queries: jax.Array  # [B, N, n, H] float32 the prompt's last n post-RoPE queries (slot j: position L - n + j)
-    idx: jax.Array  # [B, N, M] int32 kept prompt positions
-    mask: jax.Array  # [B, N, M] bool
+    # [B, N, n, H] float32 the prompt's last n post-RoPE queries (slot j: position L - n + j)
+    queries: jax.Array = axes.field("batch", "heads", "window", "head_dim")
+    idx: jax.Array = axes.field("batch", "heads", "slots")  # [B, N, M] int32 kept prompt positions
+    mask: jax.Array = axes.field("batch", "heads", "slots")  # [B, N, M] bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,19 +44,18 @@ class SnapKV(PromptBudgetPolicy):
     evicted, so all of them are attended outside the budget. A prompt of at most `budget` tokens is kept whole.
     """
 
-    budget: int = 1024
-    window: int = 32
-    kernel: int = 5
-    full_layers: int = 2
+    name = "snapkv"
+    budget: int = option(1024, "prompt tokens kept, the observation window included", least=1)
+    window: int = option(32, "the prompt's last tokens whose queries vote (kept whole)", least=1)
+    pool_size: int = option(5, "votes are average-pooled over this many tokens (odd)", least=1)
+    full_layers: int = option(2, "the first layers attend to every token", least=0)
 
     def __post_init__(self):
         super().__post_init__()
-        if self.window <= 0:
-            raise ValueError(f"window must be > 0, got {self.window}")
         if self.budget < self.window:
             raise ValueError(f"budget={self.budget} must be >= window={self.window} (the window is kept)")
-        if self.kernel <= 0 or self.kernel % 2 == 0:
-            raise ValueError(f"kernel must be a positive odd number, got {self.kernel}")
+        if self.pool_size % 2 == 0:
+            raise ValueError(f"pool_size must be a positive odd number, got {self.pool_size}")
 
     @property
     def prompt_queries(self) -> int:
@@ -81,9 +83,9 @@ class SnapKV(PromptBudgetPolicy):
         prefix = jnp.maximum(lengths - n, 0)  # [B] the tokens before the window compete for the budget
         before = jnp.arange(S)[None, :] < prefix[:, None]  # [B, S]
         votes = jnp.where(before[:, None], probs.sum(axis=2), 0.0)  # [B, N, S]
-        r = self.kernel // 2
-        pooled = jax.lax.reduce_window(votes, 0.0, jax.lax.add, (1, 1, self.kernel), (1, 1, 1),
-                                       ((0, 0), (0, 0), (r, r))) / self.kernel
+        r = self.pool_size // 2
+        pooled = jax.lax.reduce_window(votes, 0.0, jax.lax.add, (1, 1, self.pool_size), (1, 1, 1),
+                                       ((0, 0), (0, 0), (r, r))) / self.pool_size
         top = top_k_indices(jnp.where(before[:, None], pooled, -jnp.inf), M - w)  # [B, N, M - w]
         window = jnp.broadcast_to((prefix[:, None] + jnp.arange(w))[:, None], (B, N, w))
         idx = jnp.concatenate([top, window], axis=-1).astype(jnp.int32)
@@ -93,5 +95,5 @@ class SnapKV(PromptBudgetPolicy):
         return state.replace(idx=idx, mask=mask)
 
     def select(self, state, q, keys, lengths, prompt_lengths):
-        """The tokens chosen at prefill: idx, mask [B, N, M], whatever the query."""
-        return state.idx, state.mask
+        """The tokens chosen at prefill: rows [B, N, M], whatever the query."""
+        return Selection.of_rows(state.idx, state.mask)

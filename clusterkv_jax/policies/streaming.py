@@ -9,8 +9,9 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from clusterkv_jax.policies.base import StatelessPolicy
+from clusterkv_jax.policies.base import StatelessPolicy, option
 from clusterkv_jax.policies.common import expand_heads, recent_window, sink_slots
+from clusterkv_jax.selection import Selection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,22 +26,27 @@ class StreamingLLM(StatelessPolicy):
     policy has no window). A sequence of n tokens attends min(n, budget) of them.
     """
 
-    budget: int = 1024
-    sinks: int = 16
-    full_layers: int = 2
+    name = "streaming"
+    budget: int = option(1024, "tokens attended per step: the sinks and the most recent ones", least=1)
+    sinks: int = option(16, "first tokens always attended (attention sinks)", least=0)
+    full_layers: int = option(2, "the first layers attend to every token", least=0)
 
     def __post_init__(self):
         super().__post_init__()
-        if self.sinks < 0:
-            raise ValueError(f"sinks must be >= 0, got {self.sinks}")
         if self.budget < self.sinks:
             raise ValueError(f"budget={self.budget} must be >= sinks={self.sinks}")
 
     def selection_shape(self, config, batch_size, capacity):
         return (batch_size, config.num_heads, self.budget, 1)
 
+    def covers(self, capacity):
+        return self.budget >= capacity
+
+    def covers_now(self, state, lengths, prompt_lengths):
+        return lengths <= self.budget
+
     def select(self, state, q, keys, lengths, prompt_lengths):
-        """Sinks then the sliding window: idx, mask [B, N, budget], the same for every head."""
+        """Sinks then the sliding window: rows [B, N, budget], the same for every head."""
         recent = self.budget - self.sinks
         s_idx, s_mask = sink_slots(lengths, self.sinks)  # [B, sinks]
         # The window starts after the sinks, so short sequences never attend a token twice.
@@ -49,4 +55,4 @@ class StreamingLLM(StatelessPolicy):
         N = q.shape[1]
         idx = expand_heads(jnp.concatenate([s_idx, r_idx], axis=-1), N)
         mask = expand_heads(jnp.concatenate([s_mask, r_mask], axis=-1), N)
-        return idx, mask
+        return Selection.of_rows(idx, mask)

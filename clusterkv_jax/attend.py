@@ -1,0 +1,351 @@
+"""Where a layer attends: prefill and decode, to every token or to what a policy selects, from its store.
+
+The model's one layer body hands each layer's new q, k, v to a step's `attend(group, i, store, state, q, k, v)`
+and gets back the attention output, the layer group's store and the layer's policy state. The steps:
+
+- `Prefill`: a prompt from an empty cache. The prompt's K/V are stored (in a selecting layer, where the policy's
+  layout puts each position, once it has indexed the keys) and attention is causal over the prompt.
+- `PrefillChunk`: one chunk of a longer prompt: its K/V are written in position order and it attends to the
+  rows so far; `index_prompt` then indexes the selecting layers as `Prefill` would have.
+- `Decode`: one new token per sequence. It is written where the policy keeps it; a full layer attends to
+  every row; a selecting layer (`decode_selecting`) indexes its window when due, then attends
+    - to every token its store holds, when the selection would hold them all (`KVPolicy.covers` decided
+      statically from the capacity, `covers_now` at run time for a store in device memory), as full KV does;
+    - otherwise to the policy's `Selection` and the window, read one of three ways: in place through a page table
+      (`kernels.selected_attention`: kernels "pallas", "tpu" or "interpret", a device store, a ring window, no
+      mesh), a tile of (sequence, KV head) pairs at a time (a CPU whose selected rows outgrow its cache), or
+      gathered, then one softmax (`attention.selection_and_window_attention`).
+
+Policies select; stores hold and read rows; this module decides how the rows meet the queries.
+
+Shapes: B batch, T tokens, N query heads, K KV heads, G = N // K, S capacity (positions), R store rows, H head
+dim, h selection heads, W window slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from clusterkv_jax import attention, kernels
+from clusterkv_jax.ops import multi_device_axes
+from clusterkv_jax.policies.common import recent_window, ring_window_mask
+from clusterkv_jax.selection import Selection
+from clusterkv_jax.store import DeviceLayer
+
+#: Queries per block in prefill attention: bounds the [B, N, block, T] score tensor for long prompts.
+PREFILL_BLOCK = 512
+
+#: A tile of `attend_tiled`: the K and V rows gathered at once, kept well inside a CPU's last-level cache
+#: (RESULTS.md, "Tiles").
+GATHER_TILE_BYTES = 8 << 20
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The steps
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefill:
+    """Prompts [B, T] from an empty cache of `capacity` positions; lengths [B] their true lengths."""
+
+    policy: Any
+    lengths: jax.Array
+    capacity: int
+
+    def attend(self, group, i, store, state, q, k, v):
+        """-> (causal attention [B, T, N, H] float32, store, state, None)."""
+        k_rows = jnp.swapaxes(k, 1, 2).astype(store.k.dtype)  # [B, K, T, H] rows 0..T, in the store's dtype
+        v_rows = jnp.swapaxes(v, 1, 2).astype(store.v.dtype)
+        state = observe_prompt_queries(self.policy, group, state, q, 0, self.lengths)
+        store, state = write_prompt_layer(self.policy, group, store, state, i, k_rows, v_rows, self.lengths,
+                                          self.capacity)
+        return attention.causal_attention(q, k, v, block=PREFILL_BLOCK), store, state, None
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillChunk:
+    """One chunk of prompts [B, T]: positions [start, start + chunk) (start traced), attending to rows [0, T) of
+    each layer (later rows are masked or still empty). The chunk's K/V go to rows [start, start + chunk) in
+    position order, in the cache's dtype; `index_prompt` lays the selecting layers out afterwards."""
+
+    policy: Any
+    lengths: jax.Array
+    capacity: int
+    start: jax.Array
+    prompt: int  # T
+
+    def attend(self, group, i, store, state, q, k, v):
+        written = store.write_prompt(i, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), start=self.start)
+        view = written.layer(i)
+        out = attention.causal_attention_over_rows(q, view.keys()[:, :, :self.prompt],
+                                                   view.values()[:, :, :self.prompt], self.start, block=PREFILL_BLOCK)
+        return out, written, observe_prompt_queries(self.policy, group, state, q, self.start, self.lengths), None
+
+
+@dataclasses.dataclass(frozen=True)
+class Decode:
+    """One new token per sequence at position lengths[b] (lengths before it), in a cache of `capacity`
+    positions."""
+
+    policy: Any
+    lengths: jax.Array
+    prompt_lengths: jax.Array
+    capacity: int
+
+    def attend(self, group, i, store, state, q, k, v):
+        """-> (attention [B, 1, N, H] float32, store, state, changed: whether the state changed, traced)."""
+        S, lengths = self.capacity, self.lengths + 1
+        # This token's K/V [B, K, H] at each sequence's own position, in the row the policy keeps it in.
+        rows = self.policy.token_rows(state, self.lengths, S) if group.selecting else self.lengths
+        view = store.write_token(i, rows, k[:, 0], v[:, 0]).layer(i, S)
+        if not group.selecting:
+            with jax.named_scope("attend"):
+                out = attention.decode_attention(q[:, 0], view.keys(), view.values(), lengths)
+            return out[:, None], view.store, state, jnp.bool_(False)
+        out, new_state, view = decode_selecting(self.policy, state, q[:, 0], view, lengths, self.prompt_lengths)
+        return out[:, None], view.store, new_state, self.policy.decode_changed_state(state, new_state)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Prefill of a layer
+# ----------------------------------------------------------------------------------------------------------
+
+
+def observe_prompt_queries(policy, group, state, q: jax.Array, start, lengths: jax.Array):
+    """Prefill of a selecting layer: hands the policy those of the queries q [B, T, N, H] (positions
+    [start, start + T)) that lie among each prompt's last `policy.prompt_queries` tokens. Returns the state."""
+    n = policy.prompt_queries
+    if not (group.selecting and n):
+        return state
+    T = q.shape[1]
+    positions = lengths[:, None] - n + jnp.arange(n, dtype=jnp.int32)  # [B, n]
+    offsets = positions - start
+    found = (positions >= 0) & (offsets >= 0) & (offsets < T)
+    rows = jnp.take_along_axis(q, jnp.clip(offsets, 0, T - 1)[:, :, None, None], axis=1)  # [B, n, N, H]
+    return policy.observe_queries(state, jnp.swapaxes(rows, 1, 2).astype(jnp.float32), found)
+
+
+def write_prompt_layer(policy, group, store, state, i, k_rows, v_rows, lengths, capacity: int):
+    """What prefill does with layer i of `group` once its K/V are computed: in a selecting group, let the policy
+    index the keys; store the prompt's K/V [B, K, T, H] as rows [0, T), or where the policy's layout puts each
+    position (`prompt_rows`). Returns (store, state)."""
+    if not group.selecting:
+        return store.write_prompt(i, k_rows, v_rows), state
+    T = k_rows.shape[2]
+    pad = ((0, 0), (0, 0), (0, capacity - T), (0, 0))
+    with jax.named_scope("index"):
+        # The policy sees this layer's keys [B, K, S, H] (rows >= lengths are padding), in the store's dtype.
+        keys = jnp.pad(k_rows.astype(store.k.dtype), pad)
+        state = policy.after_prefill(state, keys, lengths)
+    layout = policy.prompt_rows(state)  # [B, K, R] position of each row, or None: row = position
+    if layout is None:
+        return store.write_prompt(i, k_rows, v_rows), state
+    with jax.named_scope("layout"):
+        held = (layout >= 0)[..., None]
+        rows = jnp.clip(layout, 0, capacity - 1)[..., None]
+        k = jnp.where(held, jnp.take_along_axis(keys, rows, axis=2), 0)
+        v = jnp.where(held, jnp.take_along_axis(jnp.pad(v_rows.astype(store.v.dtype), pad), rows, axis=2), 0)
+    return store.write_layer(i, k, v), state
+
+
+def index_prompt(policy, groups, lengths: jax.Array, capacity: int, prompt: int):
+    """After a chunked prefill: the selecting groups' layers indexed and laid out from their stored prompt rows
+    [0, prompt), as `Prefill` does after a layer's K/V. Returns the groups."""
+    def index(group):
+        def body(store, xs):
+            i, state = xs
+            view = store.layer(i)
+            return write_prompt_layer(policy, group, store, state, i, view.keys()[:, :, :prompt],
+                                      view.values()[:, :, :prompt], lengths, capacity)
+
+        store, state = jax.lax.scan(body, group.store, (jnp.arange(group.num_layers, dtype=jnp.int32), group.state))
+        return group.replace(store=store, state=state)
+
+    return tuple(index(g) if g.selecting else g for g in groups)
+
+
+@functools.partial(jax.jit, static_argnames=("policy",), donate_argnames=("cache",))
+def write_prompt(cache, keys: jax.Array, values: jax.Array, lengths: jax.Array, *, policy):
+    """An empty cache filled as a prefill of a prompt with these K/V [L, B, K, T, H] would fill it (its
+    attention outputs are not needed): the stores hold the rows, the policy has indexed the selecting layers.
+    Not for policies that index by the prompt's queries (`prompt_queries`): it has none to give them."""
+    if policy.prompt_queries:
+        raise ValueError(f"{type(policy).__name__} indexes the prompt by its queries; write_prompt has only keys "
+                         "and values (run a prefill instead)")
+    groups = []
+    for group in cache.groups:
+        def body(store, xs, group=group):
+            i, state, k, v = xs
+            return write_prompt_layer(policy, group, store, state, i, k, v, lengths, cache.capacity)
+
+        n = group.num_layers
+        layers = slice(group.start, group.start + n)
+        store, state = jax.lax.scan(body, group.store, (jnp.arange(n, dtype=jnp.int32), group.state,
+                                                        keys[layers], values[layers]))
+        groups.append(group.replace(store=store, state=state))
+    lengths = lengths.astype(jnp.int32)
+    return cache.replace(groups=tuple(groups), lengths=lengths, prompt_lengths=lengths)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Decode of a selecting layer
+# ----------------------------------------------------------------------------------------------------------
+
+
+def index_window(policy, state, view, lengths: jax.Array, prompt_lengths: jax.Array, rows_of=None):
+    """`policy.index_recent` with the window's keys read from the layer's store `view`; `rows_of(positions)` gives
+    their rows (default: `token_rows`, the policy's own layout). Returns the state."""
+    W = policy.window_size(view.positions)
+    if not W:
+        return state
+    start = policy.window_start(state, lengths, prompt_lengths)
+    if rows_of is None:
+        rows_of = lambda p: policy.token_rows(state, p, view.positions)  # noqa: E731
+
+    def recent_keys():
+        positions = jnp.minimum(start[:, None] + jnp.arange(W), view.positions - 1)  # [B, W]
+        return view.window(rows_of(positions))[0]
+
+    return policy.index_recent(state, recent_keys, lengths, prompt_lengths)
+
+
+def decode_selecting(policy, state, q: jax.Array, view, lengths: jax.Array, prompt_lengths: jax.Array):
+    """One selecting layer's decode attention, from its store `view` (this layer, the new token's row written):
+    q [B, N, H], lengths [B] the new token included. Returns (output [B, N, H] float32, state, view)."""
+    with jax.named_scope("index"):
+        indexed = index_window(policy, state, view, lengths, prompt_lengths)
+        moves = policy.recent_moves(state, indexed)
+        if moves is not None:
+            view = view.commit_window(*moves)
+        state = policy.observe_decode(indexed, q, view, lengths, prompt_lengths)
+    if policy.covers(view.positions):
+        return attend_everything(policy, state, q, view, lengths), state, view
+    everything = None if view.store.on_host else policy.covers_now(state, lengths, prompt_lengths)
+    if everything is None:
+        out, view = attend_selected(policy, state, q, view, lengths, prompt_lengths)
+        return out, state, view
+    # A store in device memory is only read here, so the branches return the output alone.
+    out = jax.lax.cond(jnp.all(everything), lambda: attend_everything(policy, state, q, view, lengths),
+                       lambda: attend_selected(policy, state, q, view, lengths, prompt_lengths)[0])
+    return out, state, view
+
+
+def attend_everything(policy, state, q: jax.Array, view, lengths: jax.Array) -> jax.Array:
+    """Every row of the layer that holds a token (`KVPolicy.held_rows`, within `covered_rows`), as full KV attends."""
+    n = policy.covered_rows(view.positions)
+    with jax.named_scope("attend"):
+        mask = policy.held_rows(state, lengths, view.positions)[..., :n]
+        return attention.rows_attention(q, view.keys()[:, :, :n], view.values()[:, :, :n], mask)
+
+
+def attend_selected(policy, state, q: jax.Array, view, lengths: jax.Array, prompt_lengths: jax.Array):
+    """The policy's selection and its window, one softmax -> (output [B, N, H] float32, view)."""
+    S = view.positions
+    with jax.named_scope("select"):
+        keys = view.keys() if policy.reads_all_keys else None
+        selection = policy.select(state, q, keys, lengths, prompt_lengths)
+    W = policy.window_size(S)
+    start = policy.window_start(state, lengths, prompt_lengths) if W else None
+    ring_mask = ring_window_mask(lengths, start, W, S) if W and policy.ring_window else None
+    # The store rows can be read where they lie: a device store, a ring window (or none), no multi-device mesh
+    # (the page table and the tiles address the whole store; under a mesh the rows are gathered per shard).
+    whole_store = isinstance(view, DeviceLayer) and (not W or policy.ring_window) and multi_device_axes() is None
+    impl = kernels.resolve(policy.kernels)
+    if whole_store and impl != "reference" and can_attend_in_place(view, selection, W):
+        with jax.named_scope("attend"):
+            return attend_in_place(q, view, selection, W, ring_mask, impl), view
+
+    def gathered(view):  # read the selected rows and the window's, then one softmax over both
+        k_sel, v_sel, sel_mask, view = view.read(selection)
+        k_win = v_win = w_mask = None
+        if W:
+            with jax.named_scope("window"):
+                if policy.ring_window:
+                    (k_win, v_win), w_mask = view.ring(W), ring_mask
+                else:
+                    positions, w_mask = recent_window(lengths, start, W)
+                    k_win, v_win = view.window(policy.token_rows(state, positions, S))
+        with jax.named_scope("attend"):
+            return attention.selection_and_window_attention(q, k_sel, v_sel, sel_mask, k_win, v_win, w_mask), view
+
+    if whole_store and tiles_for(view, selection) > 1:
+        # A platform choice at lowering: tiles are for a CPU's cache; elsewhere a loop only serializes the work.
+        out = jax.lax.platform_dependent(cpu=lambda: attend_tiled(q, view, selection, W, ring_mask),
+                                         default=lambda: gathered(view)[0])
+        return out, view
+    return gathered(view)
+
+
+def can_attend_in_place(view: DeviceLayer, selection: Selection, window: int) -> bool:
+    """Whether `attend_in_place` applies: pages of a power-of-two number of rows (> 1) that tile the store and
+    the window, and a power-of-two head dim."""
+    c, R, H = selection.chunk, view.store.k.shape[3], view.store.k.shape[4]
+    pow2 = lambda x: x & (x - 1) == 0  # noqa: E731
+    return c > 1 and pow2(c) and pow2(H) and R % c == 0 and window % c == 0
+
+
+def attend_in_place(q: jax.Array, view: DeviceLayer, selection: Selection, window: int, window_mask, impl: str):
+    """One softmax over each head's selection and (window > 0) the ring of rows [0, window), read where they lie
+    through a page table (`kernels.selected_attention`; no gathered copy): q [B, N, H] -> [B, N, H] float32, as
+    `attention.selection_and_window_attention` over `read` and `ring` gives it. Pages are chunks of
+    `selection.chunk` rows; the store's rows and the window are whole pages (`can_attend_in_place`)."""
+    B, h, _ = selection.starts.shape
+    K, c = view.store.k.shape[2], selection.chunk
+    k_pages, v_pages, first = view.pages(c)  # first [B, K]
+    first = jnp.repeat(first, h // K, axis=1)  # [B, h]: selection head -> its KV head's first page
+    pages = first[..., None] + selection.starts // c  # [B, h, n]
+    mask = selection.mask  # [B, h, n, c]
+    if window:
+        pages = jnp.concatenate([pages, first[..., None] + jnp.arange(window // c, dtype=jnp.int32)], axis=-1)
+        ring = jnp.broadcast_to(window_mask.reshape(B, 1, window // c, c), (B, h, window // c, c))
+        mask = jnp.concatenate([mask, ring], axis=2)
+    out = kernels.selected_attention(q.reshape(B, h, q.shape[1] // h, q.shape[2]), k_pages, v_pages, pages, mask,
+                                     impl=impl)
+    return out.reshape(q.shape)
+
+
+def tiles_for(view: DeviceLayer, selection: Selection) -> int:
+    """How many tiles of (sequence, KV head) pairs `attend_tiled` splits a selection's rows into: 1 while the
+    gathered K and V fit in two tiles (`GATHER_TILE_BYTES`: there the loop costs more than it saves), else the
+    fewest (a divisor of B·K) that keep a tile within one."""
+    L, B, K, R, H = view.store.k.shape
+    rows = selection.starts.shape[1] * selection.starts.shape[2] * selection.chunk  # per sequence
+    total = 2 * B * rows * H * view.store.k.dtype.itemsize
+    if total <= 2 * GATHER_TILE_BYTES:
+        return 1
+    return next(d for d in range(1, B * K + 1) if (B * K) % d == 0 and (total <= d * GATHER_TILE_BYTES or d == B * K))
+
+
+def attend_tiled(q: jax.Array, view: DeviceLayer, selection: Selection, window: int, window_mask) -> jax.Array:
+    """`attention.selection_and_window_attention` over the selection's rows and the ring, a tile of (sequence, KV
+    head) pairs at a time (`tiles_for`, a `lax.map`): q [B, N, H] -> [B, N, H] float32. XLA:CPU cannot read
+    gathered rows inside the score product: the gather writes them out and the product reads them back. All
+    heads' rows at once make that round trip through memory; a tile's stay in the cache between the two."""
+    L, B, K, R, H = view.store.k.shape
+    N, h, c = q.shape[1], selection.starts.shape[1], selection.chunk
+    tiles = tiles_for(view, selection)
+    p = B * K // tiles  # pairs a tile
+    tiled = lambda x: x.reshape((tiles, p, -1) + x.shape[2:])  # noqa: E731  [tiles, p, h/K (or G), ...]
+    qs, starts, mask = tiled(q), tiled(selection.starts), tiled(selection.flat_mask())
+    w_masks = jnp.repeat(window_mask, K, axis=0).reshape(tiles, p, -1) if window else jnp.zeros((tiles, p, 0), bool)
+
+    def one_tile(args):
+        t, q_t, starts_t, mask_t, w_mask = args  # [p, G, H], [p, h/K, n], [p, h/K, n * c], [p, W]
+        pairs = t * p + jnp.arange(p, dtype=jnp.int32)
+        k_sel, v_sel = (x.reshape(p, h // K, -1, H) for x in
+                        view.read_pairs(pairs, starts_t.reshape(p, -1), c, selection.aligned))
+        k_win = v_win = None
+        if window:
+            k_win, v_win = (x[:, None] for x in view.ring_pairs(t * p, p, window))  # [p, 1, W, H]
+        return attention.selection_and_window_attention(q_t, k_sel, v_sel, mask_t, k_win, v_win,
+                                                        w_mask if window else None)
+
+    with jax.named_scope("attend_tiled"):
+        out = jax.lax.map(one_tile, (jnp.arange(tiles, dtype=jnp.int32), qs, starts, mask, w_masks))
+    return out.reshape(B, N, H)

@@ -1,0 +1,211 @@
+"""What the command-line tools share: argument types, checks made before any work, one line per error, and the
+policy flags, built from the policy classes.
+
+Every `option` field of a registered policy (`policies.POLICIES`) is a flag, with its type, range or choices,
+default and help from the field: ClusterKV's as `--FIELD` (the library's own policy), every other policy's as
+`--NAME-FIELD` (`--quest-sinks`), a field's own `flag` name where it has one (`--kmeans-seed` for ClusterKV's
+K-means `seed`). The budget and offloading are each command's own flags. An unset flag keeps the class default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+import tempfile
+
+#: The policy whose flags carry no prefix.
+UNPREFIXED = "clusterkv"
+#: Fields each command sets itself (its --budget / --budgets, --offload), not flags per policy.
+COMMAND_FIELDS = ("budget", "offload")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, where it has one."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False, argparse.SUPPRESS) or "(default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Argument types
+# ----------------------------------------------------------------------------------------------------------
+
+
+def int_at_least(minimum: int):
+    """An argparse type: an integer >= minimum, else a message naming the value."""
+    expected = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
+
+
+positive_int, nonnegative_int = int_at_least(1), int_at_least(0)
+
+
+def finite_float(least: float | None = None):
+    """An argparse type: a finite number (>= least, when given)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or (least is not None and value < least):
+            bound = "" if least is None else f" >= {least}"
+            raise argparse.ArgumentTypeError(f"expected a finite number{bound}, got {text!r}")
+        return value
+
+    return parse
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def policy_list(text: str) -> list[str]:
+    from clusterkv_jax.policies import parse_policies
+
+    try:
+        return parse_policies(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Policy flags
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _policy_fields():
+    """(policy name, its class, field) for every flag a policy's fields make."""
+    from clusterkv_jax.policies import POLICIES
+
+    for name, cls in POLICIES.items():
+        for field in dataclasses.fields(cls):
+            if field.init and "help" in field.metadata and field.name not in COMMAND_FIELDS:
+                yield name, cls, field
+
+
+def _flag(name: str, field) -> str:
+    own = (field.metadata.get("flag") or field.name).replace("_", "-")
+    return f"--{own}" if name == UNPREFIXED else f"--{name}-{own}"
+
+
+def _dest(name: str, field) -> str:
+    return f"policy__{name}__{field.name}"
+
+
+def add_policy_flags(parser: argparse.ArgumentParser) -> None:
+    """Every policy's option flags, one argument group per policy (read back by `policy_options`)."""
+    groups = {}
+    for name, cls, field in _policy_fields():
+        if name not in groups:
+            groups[name] = parser.add_argument_group(f"{cls.__name__} options (--policy {name})")
+        meta, kind = field.metadata, field.type if isinstance(field.type, str) else field.type.__name__
+        kwargs = dict(dest=_dest(name, field), default=None,
+                      help=f"{meta['help']} (default: {field.default})".replace("%", "%%"))
+        if meta.get("choices"):
+            kwargs["choices"] = list(meta["choices"])
+        elif kind == "int":
+            kwargs.update(type=int_at_least(int(meta["least"])) if meta.get("least") is not None else int,
+                          metavar="N")
+        elif kind == "float":
+            kwargs.update(type=finite_float(meta.get("least")), metavar="F")
+        elif kind == "bool":
+            kwargs["action"] = argparse.BooleanOptionalAction
+        groups[name].add_argument(_flag(name, field), **kwargs)
+
+
+def policy_options(args) -> dict[str, dict]:
+    """{policy name: {field: value}} for the policy flags given on the command line."""
+    options: dict[str, dict] = {}
+    for name, _, field in _policy_fields():
+        value = getattr(args, _dest(name, field), None)
+        if value is not None:
+            options.setdefault(name, {})[field.name] = value
+    return options
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Checks before any work, and errors as one line
+# ----------------------------------------------------------------------------------------------------------
+
+
+def check_text_file(path: str) -> None:
+    if os.path.isdir(path):
+        raise ValueError(f"--text {path!r} is a directory; give a UTF-8 text file")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--text file {path!r} does not exist")
+
+
+def model_and_text(args):
+    """The model of --model and the token ids of --text (its first --max-chars characters, when given)."""
+    from clusterkv_jax import load_model
+
+    check_text_file(args.text)
+    model = load_model(args.model, dtype=args.dtype)
+    if model.tokenizer is None:
+        raise ValueError(f"{args.model} has no tokenizer.json; this command reads text")
+    with open(args.text, encoding="utf-8") as f:
+        text = f.read(args.max_chars) if args.max_chars else f.read()
+    return model, model.tokenizer.encode(text, add_special_tokens=False)
+
+
+def check_outputs(args) -> None:
+    """Where results will be written (--out, --json) can be written: checked before hours of computing, and
+    without creating anything (a command that then fails leaves no empty directory)."""
+    folders = []
+    if getattr(args, "out", None):
+        folders.append(("--out", os.path.abspath(args.out)))
+    if getattr(args, "json", None):
+        folders.append(("--json", os.path.dirname(os.path.abspath(args.json))))
+    for flag, folder in folders:
+        existing = folder
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            raise ValueError(f"cannot write results to {flag} {folder!r}: {existing!r} is a file")
+        try:
+            if existing == folder:
+                with tempfile.TemporaryFile(dir=folder):
+                    pass
+            elif not os.access(existing, os.W_OK | os.X_OK):
+                raise PermissionError(f"{existing!r} is not writable")
+        except OSError as e:
+            raise ValueError(f"cannot write results to {flag} {folder!r}: {e.strerror or e}") from None
+
+
+def run_reporting_errors(run, *, debug: bool, prefix: str, error_code: int, interrupted: str) -> int:
+    """run() -> exit code; an error becomes one line `{prefix}error: ...` and `error_code`, Ctrl-C the line
+    `interrupted` and 130; with `debug`, both raise (the traceback). Shared by both command-line tools."""
+    try:
+        return run()
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(interrupted, file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 -- one line for the user; --debug shows the traceback
+        if debug:
+            raise
+        kind = "" if isinstance(e, (ValueError, TypeError, OSError)) else f" ({type(e).__name__})"
+        print(f"{prefix}error{kind}: {e}", file=sys.stderr)
+        return error_code

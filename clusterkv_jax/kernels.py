@@ -1,0 +1,106 @@
+"""The one kernel switch: which implementation of each op runs, and one entry point per op.
+
+Implementations:
+
+- "reference": the pure-jnp references (any device; what the CPU runs);
+- "pallas": the Pallas Triton kernels (CUDA GPUs of compute capability >= 8.0);
+- "interpret": the same kernels in Pallas interpret mode (any device; slow, for tests);
+- "tpu": their Mosaic versions (TPUs).
+
+A policy asks for a mode (`MODES`); `resolve` turns it into an implementation for the device being traced for
+(`pallas_kernels.dispatch.compile_for` picks a device that is not attached). Every op below takes the resolved
+implementation and, under a multi-device mesh, runs a kernel once per device on its shard of the leading
+(batch, head) dims (`ops.per_shard`): a custom call the SPMD partitioner cannot split stays local.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from clusterkv_jax.ops import per_shard
+from pallas_kernels import (
+    centroid_update as _centroid_update_pallas,
+    centroid_update_reference,
+    centroid_update_tpu,
+    cluster_to_block_index as _cluster_to_block_index_pallas,
+    cluster_to_block_index_reference,
+    cluster_to_block_index_tpu,
+    selected_attention as _selected_attention_pallas,
+    selected_attention_reference,
+    selected_attention_tpu,
+)
+from pallas_kernels import dispatch
+
+#: What a policy may ask for: "auto" (the kernels where the device runs them, else the references), "pallas"
+#: (the kernels, or an error), "reference", "interpret".
+MODES = ("auto", "pallas", "reference", "interpret")
+#: What runs.
+IMPLEMENTATIONS = ("reference", "pallas", "interpret", "tpu")
+
+
+def resolve(mode: str) -> str:
+    """The implementation `mode` means on the device being traced for: "tpu" on a TPU (unless "reference" or
+    "interpret" is asked), "pallas" on a CUDA GPU of compute capability >= 8.0, else "reference"; "pallas" on any
+    other device is a RuntimeError naming it."""
+    if mode not in MODES:
+        raise ValueError(f"kernel mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode in ("reference", "interpret"):
+        return mode
+    if dispatch.on_tpu():
+        return "tpu"
+    if dispatch.kernels_supported():
+        return "pallas"
+    if mode == "auto":
+        return "reference"
+    raise RuntimeError(
+        f"kernels 'pallas' need a CUDA GPU with compute capability >= {dispatch.MIN_COMPUTE_CAPABILITY} (Pallas "
+        f"Triton kernels) or a TPU; found {dispatch.describe_target()}. Use 'auto' or 'reference' (or 'interpret' "
+        "for tests).")
+
+
+def _check(impl: str) -> None:
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"kernel implementation must be one of {', '.join(IMPLEMENTATIONS)}, got {impl!r}")
+
+
+def centroid_update(keys: jax.Array, labels: jax.Array, num_clusters: int, *, impl: str):
+    """Per-cluster sums [..., C, H] float32 and member counts [..., C] of keys [..., N, H] by labels [..., N]
+    (outside [0, C): in no cluster)."""
+    _check(impl)
+    if impl == "reference":
+        return centroid_update_reference(keys, labels, num_clusters)
+    if impl == "tpu":
+        run = functools.partial(centroid_update_tpu, num_clusters=num_clusters)
+    else:
+        run = functools.partial(_centroid_update_pallas, num_clusters=num_clusters, interpret=impl == "interpret")
+    return per_shard(lambda k, l: run(k, l), keys, labels)
+
+
+def cluster_to_block_index(ranked_sizes: jax.Array, ranked_starts: jax.Array, *, tokens: int, slots: int,
+                           block_size: int, impl: str):
+    """The blocks [..., slots] a selection reads and the rows taken in each [..., slots], from clusters in
+    descending score order: their sizes and first blocks [..., C] (the last cluster trimmed to `tokens`)."""
+    _check(impl)
+    if impl == "reference":
+        return cluster_to_block_index_reference(ranked_sizes, ranked_starts, tokens, slots, block_size)
+    if impl == "tpu":
+        run = functools.partial(cluster_to_block_index_tpu, tokens=tokens, slots=slots, block_size=block_size)
+    else:
+        run = functools.partial(_cluster_to_block_index_pallas, tokens=tokens, slots=slots, block_size=block_size,
+                                interpret=impl == "interpret")
+    return per_shard(lambda s, st: run(s, st), ranked_sizes, ranked_starts)
+
+
+def selected_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, pages: jax.Array, mask: jax.Array, *,
+                       impl: str) -> jax.Array:
+    """Each selection head's queries q [B, h, G, H] over its pages [B, h, n] of a store seen as pages [P, c, H]
+    (rows where mask [B, h, n, c]), one softmax -> [B, h, G, H] float32. The page table addresses the whole store,
+    so this op is not split over a mesh: callers attend in place only without one."""
+    _check(impl)
+    if impl == "reference":
+        return selected_attention_reference(q, k_pages, v_pages, pages, mask)
+    if impl == "tpu":
+        return selected_attention_tpu(q, k_pages, v_pages, pages, mask)
+    return _selected_attention_pallas(q, k_pages, v_pages, pages, mask, interpret=impl == "interpret")
