@@ -129,7 +129,7 @@ def init_cache(config: ModelConfig, policy, batch_size: int, capacity: int, dtyp
         elif plan.selecting:
             store = HostKV.create(n, B, K, rows, H, dtype, window=policy.window_size(capacity),
                                   selection_shape=policy.selection_shape(config, B, capacity),
-                                  recall_steps=policy.recall_steps)
+                                  recall_steps=policy.recall_steps, ring_rows=policy.ring_window)
         else:
             store = HostKV.create(n, B, K, rows, H, dtype)
         state = policy.init_states(config, B, capacity, range(plan.start, plan.stop)) if plan.selecting else None

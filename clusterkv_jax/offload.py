@@ -10,13 +10,17 @@ where a backend lacks it we fall back and warn once). For a group of selecting l
   selected in the last R = `recall_steps` steps, looked up by their first row, kept by KV head (its selection
   heads' slots side by side) so a KV head's misses are fetched together.
 
-Each decode step of such a layer: the new token's K/V go to the host store and to the ring; the policy
-selects on the device; `read` finds the selected chunks in the recall cache, fetches only the missing ones from
+Each decode step of such a layer: the new token's K/V go to the ring, and to the host store unless the policy's
+window is the ring itself (ClusterKV: `ring_rows`, the window's tokens reach the host when they are clustered,
+as whole blocks); the policy selects on the device; `read` finds the selected chunks in the recall cache, fetches only the missing ones from
 the host into free slots (their first rows move to the host, the host gathers the chunks inside the same jit
 via `compute_on`, they move back; the misses of a KV head's selection heads packed together, `fetch_size(G·c)`
 chunks a round, as many rounds as the most missing KV head needs, none when everything hits), and attention
 reads the slots. The hits never move. Results equal the on-device path exactly. A group of full layers
 (`FullKV(offload=True)`) has neither buffer: each step streams the whole layer to the device.
+
+Rows are written into host memory without a host computation that returns the store (`_write_rows`): on a GPU
+and a TPU such a computation's result is converted in device memory, which would stage the whole store there.
 
 Device bytes of an offloaded selecting group depend on (budget, R, W), not on the context length.
 Shapes: n layers, B batch, K KV heads, h selection heads (N or K), G = h // K, c chunks of `chunk` rows, W window,
@@ -35,7 +39,7 @@ import numpy as np
 from jax.experimental.compute_on import compute_on
 
 from clusterkv_jax import axes
-from clusterkv_jax.ops import gather_rows, per_kv_head, row_index, scatter_entries, scatter_rows
+from clusterkv_jax.ops import gather_rows, multi_device_axes, per_kv_head, row_index, scatter_entries, scatter_rows
 from clusterkv_jax.selection import Selection
 from clusterkv_jax.store import KV_AXES, KVStore, LayerView
 
@@ -84,6 +88,65 @@ def _on_host(fn, *args):
         return fn(*args)
     with compute_on("device_host"):
         return fn(*args)
+
+
+def _write_rows(store, layer, rows, values):
+    """store [n, B, K, R, H] in host memory with values [B, K, m, H] written at rows [B, K, m] of layer `layer`
+    (out of range: dropped). On the CPU, and under a multi-device mesh, a host computation scatters them. On a
+    GPU and a TPU a host computation that returns the store comes back in the host's layout, and XLA converts it in
+    device memory, staging the whole store there (RESULTS.md, "Offloaded decode's device memory"); so there the
+    rows move by dynamic-update-slices into host memory, which XLA turns into DMAs: one per row on a GPU, and on a
+    TPU, which moves whole tiles only and slices one dim, one per (sequence, KV head) of whole [R, H] planes read,
+    updated on the device and written back. Either loop runs once per row (plane) that is written, so a write with
+    every row out of range moves nothing."""
+    def on_host(store, layer, rows, values):
+        index = to_host(row_index(rows, layer))
+        return _on_host(lambda s, i, x: scatter_rows(s, i, x), store, index, to_host(values.astype(store.dtype)))
+
+    if host_memory_kind() is None or multi_device_axes() is not None:
+        return on_host(store, layer, rows, values)
+    return jax.lax.platform_dependent(store, layer, rows, values, cpu=on_host, tpu=_rewrite_planes,
+                                      default=_update_rows)
+
+
+def _update_rows(store, layer, rows, values):
+    """`_write_rows` as one dynamic-update-slice into host memory per row in range."""
+    n, B, K, R, H = store.shape
+    flat, values = rows.reshape(-1), values.reshape(-1, H).astype(store.dtype)  # entry e = (b * K + k) * m + i
+    m = rows.shape[-1]
+    order, count = _in_range_first((flat >= 0) & (flat < R))
+
+    def write(j, store):
+        e = order[j]
+        at = (jnp.asarray(layer, jnp.int32), e // (K * m), e // m % K, flat[e], jnp.int32(0))
+        return jax.lax.dynamic_update_slice(store, to_host(values[e][None, None, None, None]), at)
+
+    return jax.lax.fori_loop(0, count, write, store)
+
+
+def _rewrite_planes(store, layer, rows, values):
+    """`_write_rows` as whole [R, H] planes of the (sequence, KV head) pairs with a row in range: each read into
+    device memory, updated there, and written back (the store seen as [n·B·K, R, H]: one sliced dim)."""
+    n, B, K, R, H = store.shape
+    planes = store.reshape(n * B * K, R, H)
+    rows, values = rows.reshape(B * K, -1), values.reshape(B * K, -1, H).astype(store.dtype)
+    order, count = _in_range_first(jnp.any((rows >= 0) & (rows < R), axis=-1))
+
+    def rewrite(j, planes):
+        e = order[j]
+        at = (jnp.asarray(layer, jnp.int32) * B * K + e, jnp.int32(0), jnp.int32(0))
+        # The barrier keeps XLA from folding the read, update and write into one update of a row: XLA:TPU moves
+        # whole tiles sliced in one dim only.
+        plane = jax.lax.optimization_barrier(to_device(jax.lax.dynamic_slice(planes, at, (1, R, H)))[0])
+        plane = plane.at[rows[e]].set(values[e], mode="drop")
+        return jax.lax.dynamic_update_slice(planes, to_host(plane[None]), at)
+
+    return jax.lax.fori_loop(0, count, rewrite, planes).reshape(store.shape)
+
+
+def _in_range_first(valid):
+    """(entries [E] with the valid ones first, how many are valid) for a loop over the valid entries of valid [E]."""
+    return jnp.argsort(~valid, stable=True).astype(jnp.int32), jnp.sum(valid, dtype=jnp.int32)
 
 
 def host_zeros(shape, dtype):
@@ -205,17 +268,21 @@ class HostKV(KVStore):
     ring_k: jax.Array | None = axes.field("layers", "batch", "kv_heads", "window", "head_dim", default=None)
     ring_v: jax.Array | None = axes.field("layers", "batch", "kv_heads", "window", "head_dim", default=None)
     recall: RecallCache | None = None  # device: chunks selected in the last R steps
+    #: Rows [0, W) are the ring's (a policy whose window is a ring, `KVPolicy.ring_window`): a token written there
+    #: stays in the device ring only, until `commit_window` moves it to its row in host memory.
+    ring_rows: bool = flax.struct.field(pytree_node=False, default=False)
 
     on_host = True
 
     @classmethod
     def create(cls, layers: int, batch: int, kv_heads: int, rows: int, head_dim: int, dtype, *, window: int = 0,
-               selection_shape: tuple[int, int, int, int] | None = None, recall_steps: int = 0):
-        """window > 0 keeps a device ring of that many recent tokens; selection_shape (B, h, c, chunk) adds the
-        recall cache of `recall_steps` steps (a group of selecting layers); without it the group streams whole
-        layers."""
+               selection_shape: tuple[int, int, int, int] | None = None, recall_steps: int = 0,
+               ring_rows: bool = False):
+        """window > 0 keeps a device ring of that many recent tokens (`ring_rows`: rows [0, window) live there only);
+        selection_shape (B, h, c, chunk) adds the recall cache of `recall_steps` steps (a group of selecting layers);
+        without it the group streams whole layers."""
         shape = (layers, batch, kv_heads, rows, head_dim)
-        store = cls(k=host_zeros(shape, dtype), v=host_zeros(shape, dtype))
+        store = cls(k=host_zeros(shape, dtype), v=host_zeros(shape, dtype), ring_rows=bool(ring_rows and window))
         if window:
             ring = (layers, batch, kv_heads, window, head_dim)
             store = store.replace(ring_k=jnp.zeros(ring, dtype), ring_v=jnp.zeros(ring, dtype))
@@ -237,19 +304,17 @@ class HostKV(KVStore):
         return self.write_prompt(layer, k, v)  # the same write, of all R rows
 
     def write_rows(self, index, k, v) -> "HostKV":
-        """Host rows at index [B, K, m, 2] (from row_index) <- k, v [B, K, m, H] (out of range: dropped)."""
-        index = to_host(index)
-        k_h, v_h = to_host(k.astype(self.k.dtype)), to_host(v.astype(self.v.dtype))
-
-        def write(store, new):
-            return scatter_rows(store, index, new)
-
-        return self.replace(k=_on_host(write, self.k, k_h), v=_on_host(write, self.v, v_h))
+        """Host rows at index [B, K, m, 2] (from row_index; one layer) <- k, v [B, K, m, H] (out of range:
+        dropped)."""
+        layer, rows = index[0, 0, 0, 0], index[..., 1]
+        return self.replace(k=_write_rows(self.k, layer, rows, k), v=_write_rows(self.v, layer, rows, v))
 
     def write_token(self, layer, rows, k, v) -> "HostKV":
         B, K = k.shape[:2]
-        store = self.write_rows(row_index(jnp.broadcast_to(rows[:, None, None], (B, K, 1)), layer),
-                                 k[:, :, None], v[:, :, None])
+        store = self
+        if not self.ring_rows:
+            store = self.write_rows(row_index(jnp.broadcast_to(rows[:, None, None], (B, K, 1)), layer),
+                                    k[:, :, None], v[:, :, None])
         if self.ring_k is None:
             return store
         W = self.ring_k.shape[3]
@@ -307,16 +372,20 @@ def pack_misses(starts, slot, miss, miss_number, kv_heads: int, slots: int, n: i
 class HostLayer(LayerView):
     """One layer of a HostKV."""
 
-    def _stream(self, store):
-        """The whole layer, sliced on the host and moved to the device: [B, K, R, H]."""
+    def _stream(self, store, ring):
+        """The whole layer, sliced on the host and moved to the device: [B, K, R, H] (with `ring_rows`, rows
+        [0, W) from the ring)."""
         at = to_host(self.index)
-        return to_device(_on_host(lambda s, i: jax.lax.dynamic_index_in_dim(s, i, keepdims=False), store, at))
+        rows = to_device(_on_host(lambda s, i: jax.lax.dynamic_index_in_dim(s, i, keepdims=False), store, at))
+        if not self.store.ring_rows:
+            return rows
+        return rows.at[:, :, :ring.shape[3]].set(jax.lax.dynamic_index_in_dim(ring, self.index, keepdims=False))
 
     def keys(self):
-        return self._stream(self.store.k)
+        return self._stream(self.store.k, self.store.ring_k)
 
     def values(self):
-        return self._stream(self.store.v)
+        return self._stream(self.store.v, self.store.ring_v)
 
     def host_gather(self, starts, chunk: int, aligned: bool = False):
         """Host chunks of `chunk` rows from starts [B, h, n] (head n reads KV head n // (h // K); `aligned`: as
@@ -334,11 +403,6 @@ class HostLayer(LayerView):
         k = to_device(_on_host(gather, self.store.k))
         v = to_device(_on_host(gather, self.store.v))
         return k.reshape(B, h, n, chunk, H), v.reshape(B, h, n, chunk, H)
-
-    def commit_window(self, rows, dest):
-        """Under the `lax.cond` on every platform, not only the CPU (`commit_window_if_due`): it skips the host
-        round trip on steps with nothing due (every m-th step does one)."""
-        return self.commit_window_if_due(rows, dest)
 
     def window(self, rows):
         B, W = rows.shape

@@ -68,14 +68,14 @@ def _named(kernels, device):
     return tuple(k + "_tpu" for k in kernels) if device.platform == "tpu" else tuple(kernels)
 
 
-def _compile(policy, device, prefill=False):
+def _compile(policy, device, prefill=False, context=CONTEXT):
     return {r.name.split()[0]: r for r in aot.model_programs(CONFIG, {"p": policy}, device=device, batch=BATCH,
-                                                              context=CONTEXT, prefill=("p",) if prefill else ())}
+                                                              context=context, prefill=("p",) if prefill else ())}
 
 
-def _host_bytes(policy):
+def _host_bytes(policy, context=CONTEXT):
     """Bytes of the cache arrays that the real cache, built on this CPU, keeps in pinned_host memory."""
-    cache = init_cache(CONFIG, policy, BATCH, CONTEXT + 64, jnp.bfloat16)
+    cache = init_cache(CONFIG, policy, BATCH, context + 64, jnp.bfloat16)
     return sum(leaf.nbytes for leaf in jax.tree.leaves(cache) if leaf.sharding.memory_kind == "pinned_host")
 
 
@@ -108,7 +108,7 @@ def test_clusterkv_decode_and_prefill_compile_with_the_pallas_kernels(target, gq
 @pytest.mark.parametrize("policy", [ClusterKV(budget=256, offload=True), Quest(budget=256, offload=True),
                                     FullKV(offload=True)], ids=["clusterkv", "quest", "full"])
 def test_offloaded_decode_compiles_with_the_store_in_pinned_host_memory(target, policy):
-    """The offloaded store stays a pinned_host argument of the compiled GPU program (XLA did not move it to the
+    """The offloaded store stays a pinned_host argument of the compiled program (XLA did not move it to the
     device), and device memory holds that much less than the on-device program's."""
     host = _host_bytes(policy)
     offloaded = _compile(policy, target)["decode"]
@@ -119,6 +119,23 @@ def test_offloaded_decode_compiles_with_the_store_in_pinned_host_memory(target, 
     assert offloaded.device_argument_bytes < on_device.device_argument_bytes
     if isinstance(policy, ClusterKV):  # the selection runs on the device; the attention reads gathered rows
         assert offloaded.kernels == _named(("centroid_update", "cluster_to_block_index"), target)
+
+
+@pytest.mark.parametrize("policy", [ClusterKV(budget=256, offload=True), Quest(budget=256, offload=True)],
+                         ids=["clusterkv", "quest"])
+def test_offloaded_decode_does_not_stage_the_host_store_on_the_device(target, policy):
+    """The device scratch that offloading adds to a decode step does not grow with the host store: rows reach host
+    memory as DMAs (a row, or a plane of one sequence and KV head), never as a host computation returning the store,
+    whose result XLA converted in device memory (the whole store, on both targets). Between two contexts the added
+    scratch grows by less than half of what the host store grows by."""
+    def added(context):
+        offloaded = _compile(policy, target, context=context)["decode"]
+        on_device = _compile(dataclasses.replace(policy, offload=False), target, context=context)["decode"]
+        return offloaded.device_temp_bytes - on_device.device_temp_bytes
+
+    grown = _host_bytes(policy, 2 * CONTEXT) - _host_bytes(policy)
+    assert grown > 0
+    assert added(2 * CONTEXT) - added(CONTEXT) < grown / 2
 
 
 def test_cli_prints_one_row_per_program(target, capsys):

@@ -221,3 +221,28 @@ def test_pack_misses_against_numpy():
             assert int(kv_misses[b, k]) == m
             np.testing.assert_array_equal(np.asarray(miss_starts[b, k]), want_starts + [0] * (P - m))
             np.testing.assert_array_equal(np.asarray(miss_slots[b, k]), want_slots + [G * S] * (P - m))
+
+
+@pytest.mark.parametrize("writer", ["_update_rows", "_rewrite_planes"])
+def test_gpu_and_tpu_host_writes_equal_a_numpy_scatter(writer):
+    """The writes into host memory that XLA:GPU (a dynamic-update-slice per row) and XLA:TPU (whole planes read,
+    updated and written back) compile to DMAs, run here on the CPU's pinned_host memory: the rows in range land
+    where a NumPy scatter puts them, a pair with every row out of range and every other row stay as they were."""
+    from clusterkv_jax import offload
+
+    n, B, K, R, H, m = 2, 2, 3, 40, 4, 5
+    rng = np.random.default_rng(0)
+    base = rng.normal(size=(n, B, K, R, H)).astype(np.float32)
+    rows = np.stack([rng.permutation(R + 3)[:m] for _ in range(B * K)]).reshape(B, K, m).astype(np.int32)
+    rows[0, 1] = R + 1  # nothing to write for this (sequence, KV head)
+    values = rng.normal(size=(B, K, m, H)).astype(np.float32)
+    want = base.copy()
+    for b, k, i in np.ndindex(B, K, m):
+        if rows[b, k, i] < R:
+            want[1, b, k, rows[b, k, i]] = values[b, k, i]
+    store = offload.to_host(jnp.asarray(base))
+    got = jax.jit(getattr(offload, writer), donate_argnums=0)(store, jnp.int32(1), jnp.asarray(rows),
+                                                                 jnp.asarray(values))
+    assert got.sharding.memory_kind == "pinned_host"
+    np.testing.assert_array_equal(np.asarray(offload.to_device(got)), want)
+
