@@ -241,7 +241,7 @@ def attend_everything(policy, state, q: jax.Array, view, lengths: jax.Array) -> 
     n = policy.covered_rows(view.positions)
     with jax.named_scope("attend"):
         mask = policy.held_rows(state, lengths, view.positions)[..., :n]
-        return attention.rows_attention(q, view.keys()[:, :, :n], view.values()[:, :, :n], mask)
+        return attention.rows_attention(q, *view.read_all(n), mask)
 
 
 def attend_selected(policy, state, q: jax.Array, view, lengths: jax.Array, prompt_lengths: jax.Array):

@@ -110,8 +110,7 @@ class KVCache:
 @functools.partial(jax.jit, static_argnums=1)
 def _layer_kv(cache: KVCache, layer: int):
     group, i = cache.group_of(layer)
-    view = group.store.layer(jnp.int32(i), cache.capacity)
-    return view.keys(), view.values()
+    return group.store.layer(jnp.int32(i), cache.capacity).read_all(group.store.capacity)
 
 
 def init_cache(config: ModelConfig, policy, batch_size: int, capacity: int, dtype=None) -> KVCache:

@@ -372,20 +372,25 @@ def pack_misses(starts, slot, miss, miss_number, kv_heads: int, slots: int, n: i
 class HostLayer(LayerView):
     """One layer of a HostKV."""
 
-    def _stream(self, store, ring):
-        """The whole layer, sliced on the host and moved to the device: [B, K, R, H] (with `ring_rows`, rows
-        [0, W) from the ring)."""
+    def _stream(self, store):
+        """The whole layer, sliced on the host and moved to the device: [B, K, R, H]."""
         at = to_host(self.index)
-        rows = to_device(_on_host(lambda s, i: jax.lax.dynamic_index_in_dim(s, i, keepdims=False), store, at))
-        if not self.store.ring_rows:
-            return rows
-        return rows.at[:, :, :ring.shape[3]].set(jax.lax.dynamic_index_in_dim(ring, self.index, keepdims=False))
+        return to_device(_on_host(lambda s, i: jax.lax.dynamic_index_in_dim(s, i, keepdims=False), store, at))
 
     def keys(self):
-        return self._stream(self.store.k, self.store.ring_k)
+        return self._stream(self.store.k)
 
     def values(self):
-        return self._stream(self.store.v, self.store.ring_v)
+        return self._stream(self.store.v)
+
+    def read_all(self, rows: int):
+        if not self.store.ring_rows:
+            return super().read_all(rows)
+        # Rows [0, W) are the ring's: their tokens are in the device ring, not yet in host memory.
+        at = lambda ring: jax.lax.dynamic_index_in_dim(ring, self.index, keepdims=False)  # noqa: E731
+        W = self.store.ring_k.shape[3]
+        return tuple(x[:, :, :rows].at[:, :, :W].set(at(ring)) if rows > W else at(ring)[:, :, :rows]
+                     for x, ring in ((self.keys(), self.store.ring_k), (self.values(), self.store.ring_v)))
 
     def host_gather(self, starts, chunk: int, aligned: bool = False):
         """Host chunks of `chunk` rows from starts [B, h, n] (head n reads KV head n // (h // K); `aligned`: as

@@ -19,7 +19,9 @@ The protocol (`layer` is the layer's index inside the group, a traced int):
     store.write_rows(index, k, v)               k, v [B, K, m, H] become the rows at index [B, K, m, 2]
                                                 (`ops.row_index`: layer, row; out of range: dropped)
     view = store.layer(layer)                   one layer, as attention reads it:
-        view.keys(), view.values()              [B, K, R, H] every row, on the device
+        view.keys(), view.values()              [B, K, R, H] every row as stored, on the device
+        view.read_all(n) -> (k, v)              rows [0, n) [B, K, n, H], each with the token it holds now (a host
+                                                store's ring rows from the device ring)
         view.read(selection) -> (k, v, mask, view)
                                                 rows [B, h, M, H] holding a `Selection`'s rows (h = N query heads,
                                                 query head n reading KV head n // G; or h = K), mask [B, h, M] the
@@ -88,6 +90,10 @@ class LayerView:
     store: KVStore
     index: jax.Array  # [] int32 the layer inside the store's group
     positions: int  # S, the cache's capacity in positions (the store may have more rows than positions)
+
+    def read_all(self, rows: int):
+        """(k, v) [B, K, rows, H] of rows [0, rows), each with the token it holds now."""
+        return self.keys()[:, :, :rows], self.values()[:, :, :rows]
 
     def commit_window(self, rows, dest) -> "LayerView":
         """Copies window rows [B, W] to rows dest [B, K, W] (out of range: nothing copied): a scatter of W rows per
