@@ -140,8 +140,9 @@ def selection_and_window_attention(
     else:
         sel_spec, sel_mask = "BKMH", jnp.broadcast_to(sel_mask[:, :, None, :], (B, K, G, M))
     # [B, K, G, M + W]. The rows are the left operand and the row axis comes first in the product: XLA:CPU runs
-    # "BKGH,BKGMH" as 3x slower batched matrix-vector products than "BKGMH,BKGH", and a [M, H] x [H, G] product
-    # written "->BKGM" ~1.6x slower than "->BKMG" and a transpose of the small result (the same for the output).
+    # "BKGH,BKGMH" as slower batched matrix-vector products than "BKGMH,BKGH", and a [M, H] x [H, G] product
+    # written "->BKGM" slower than "->BKMG" and a transpose of the small result (the same for the output;
+    # RESULTS.md).
     def rows_times_queries(rows, spec):
         if spec == "BKGMH":
             return jnp.einsum("BKGMH,BKGH->BKGM", rows, qg, preferred_element_type=jnp.float32)

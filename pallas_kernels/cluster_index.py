@@ -141,8 +141,8 @@ def _reference_one(ranked_sizes, ranked_starts, tokens: int, slots: int, block: 
     cum = jnp.cumsum(used)  # [C] inclusive prefix sums of used blocks
     j = jnp.arange(slots, dtype=jnp.int32)
     # Slot j belongs to the first ranked cluster whose prefix sum exceeds j: the count of prefix sums <= j. One
-    # [slots, C] comparison, not a `searchsorted` (on XLA:CPU a while loop of small thunks: ~1.5 ms of a traced
-    # ~46 ms SmolLM2 decode step at 4k; RESULTS.md).
+    # [slots, C] comparison, not a `searchsorted` (on XLA:CPU a while loop of small thunks, a visible part of a
+    # SmolLM2 decode step; RESULTS.md).
     r = jnp.minimum(jnp.sum(cum[None, :] <= j[:, None], axis=-1, dtype=jnp.int32), C - 1)
     within = j - (cum[r] - used[r])
     valid = j < cum[-1]
