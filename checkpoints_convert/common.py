@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
-from clusterkv_jax.config import ModelConfig, read_json_object
+from clusterkv_jax.config import FAMILIES, ModelConfig, read_json_object
 from clusterkv_jax.model import param_shapes
 
 DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32)}
@@ -49,24 +49,46 @@ class _Source:
 
 
 def _hf_sources(config: ModelConfig) -> list[_Source]:
-    """The HF origin of every param leaf. HF Linear weights are [out, in]; ours are [in, ..., out]."""
-    c = config
+    """The HF origin of every param leaf. HF Linear weights are [out, in]; ours are [in, ..., out]. A family that
+    fuses q, k, v (Phi-3) or gate and up (GLM, Phi-3) into one matrix gives several leaves one tensor, each its
+    rows of it (`FAMILIES`)."""
+    c, family = config, FAMILIES[config.model_type]
     D, N, K, H, F, V = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.vocab_size
     layer = "model.layers.{i}."
 
     def stacked(name, hf_name, hf_shape, to_ours=None):
         return _Source(("layers", name), layer + hf_name, hf_shape, to_ours, True)
 
+    def rows(lo, hi, then):  # rows [lo, hi) of a fused [out, in] matrix, then `then`
+        return lambda w: then(w[lo:hi])
+
+    if family.fused_qkv:
+        qkv = "self_attn.qkv_proj.weight", ((N + 2 * K) * H, D)
+        attention = [
+            stacked("q", *qkv, rows(0, N * H, lambda w: w.T.reshape(D, N, H))),
+            stacked("k", *qkv, rows(N * H, (N + K) * H, lambda w: w.T.reshape(D, K, H))),
+            stacked("v", *qkv, rows((N + K) * H, (N + 2 * K) * H, lambda w: w.T.reshape(D, K, H))),
+        ]
+    else:
+        attention = [
+            stacked("q", "self_attn.q_proj.weight", (N * H, D), lambda w: w.T.reshape(D, N, H)),
+            stacked("k", "self_attn.k_proj.weight", (K * H, D), lambda w: w.T.reshape(D, K, H)),
+            stacked("v", "self_attn.v_proj.weight", (K * H, D), lambda w: w.T.reshape(D, K, H)),
+        ]
+    if family.fused_gate_up:
+        gate_up = "mlp.gate_up_proj.weight", (2 * F, D)
+        mlp = [stacked("gate", *gate_up, rows(0, F, lambda w: w.T)),
+               stacked("up", *gate_up, rows(F, 2 * F, lambda w: w.T))]
+    else:
+        mlp = [stacked("gate", "mlp.gate_proj.weight", (F, D), lambda w: w.T),
+               stacked("up", "mlp.up_proj.weight", (F, D), lambda w: w.T)]
     sources = [
         _Source(("embed",), "model.embed_tokens.weight", (V, D), None, False),
         stacked("attn_norm", "input_layernorm.weight", (D,)),
-        stacked("q", "self_attn.q_proj.weight", (N * H, D), lambda w: w.T.reshape(D, N, H)),
-        stacked("k", "self_attn.k_proj.weight", (K * H, D), lambda w: w.T.reshape(D, K, H)),
-        stacked("v", "self_attn.v_proj.weight", (K * H, D), lambda w: w.T.reshape(D, K, H)),
+        *attention,
         stacked("o", "self_attn.o_proj.weight", (D, N * H), lambda w: w.T.reshape(N, H, D)),
         stacked("mlp_norm", "post_attention_layernorm.weight", (D,)),
-        stacked("gate", "mlp.gate_proj.weight", (F, D), lambda w: w.T),
-        stacked("up", "mlp.up_proj.weight", (F, D), lambda w: w.T),
+        *mlp,
         stacked("down", "mlp.down_proj.weight", (D, F), lambda w: w.T),
     ]
     if c.qkv_bias:
@@ -77,6 +99,12 @@ def _hf_sources(config: ModelConfig) -> list[_Source]:
         ]
     if c.o_bias:
         sources.append(stacked("o_bias", "self_attn.o_proj.bias", (D,)))
+    if c.qk_norm:
+        sources += [stacked("q_norm", "self_attn.q_norm.weight", (H,)),
+                    stacked("k_norm", "self_attn.k_norm.weight", (H,))]
+    if c.post_norms:
+        sources += [stacked("post_attn_norm", "post_self_attn_layernorm.weight", (D,)),
+                    stacked("post_mlp_norm", "post_mlp_layernorm.weight", (D,))]
     sources.append(_Source(("final_norm",), "model.norm.weight", (D,), None, False))
     if not c.tie_word_embeddings:
         sources.append(_Source(("lm_head",), "lm_head.weight", (V, D), lambda w: w.T, False))
@@ -89,25 +117,32 @@ def _hf_names(source: _Source, config: ModelConfig) -> list[str]:
     return [source.hf_name]
 
 
-def _to_hf_layout(source: _Source, ours: np.ndarray) -> np.ndarray:
-    """One layer's leaf back to its HF tensor: `to_ours` only transposes and reshapes, so applying it to the
-    element indices of an HF-shaped array tells where every HF element lands in ours; invert that."""
+def expected_hf_names(config: ModelConfig) -> list[str]:
+    """Every HF tensor name the config's family reads, each once."""
+    return list(dict.fromkeys(name for s in _hf_sources(config) for name in _hf_names(s, config)))
+
+
+def _to_hf_layout(source: _Source, ours: np.ndarray, hf: np.ndarray | None) -> np.ndarray:
+    """One layer's leaf written into its HF tensor `hf` (a new one when None): `to_ours` only slices rows,
+    transposes and reshapes, so applying it to the element indices of an HF-shaped array tells where every element
+    of ours comes from; write it back there (a fused tensor gathers its leaves this way)."""
+    size = int(np.prod(source.hf_shape))
     if source.to_ours is None:
-        return ours.reshape(source.hf_shape)
-    where = np.asarray(source.to_ours(np.arange(ours.size).reshape(source.hf_shape))).ravel()
-    hf = np.empty(ours.size, ours.dtype)
-    hf[where] = np.asarray(ours).ravel()
-    return hf.reshape(source.hf_shape)
+        return np.asarray(ours).reshape(source.hf_shape)
+    where = np.asarray(source.to_ours(np.arange(size).reshape(source.hf_shape))).ravel()
+    flat = np.empty(size, ours.dtype) if hf is None else hf.ravel()
+    flat[where] = np.asarray(ours).ravel()
+    return flat.reshape(source.hf_shape)
 
 
 def params_to_hf_state_dict(params: dict, config: ModelConfig) -> dict[str, np.ndarray]:
-    """The param pytree as an HF Llama/Qwen2 state dict (numpy, PyTorch layout): the inverse of
+    """The param pytree as an HF state dict of the config's family (numpy, PyTorch layout): the inverse of
     `hf_state_dict_to_params`. A tied model has no lm_head.weight."""
-    out = {}
+    out: dict[str, np.ndarray] = {}
     for source in _hf_sources(config):
         leaf = np.asarray(_lookup(params, source.path))
         for i, name in enumerate(_hf_names(source, config)):
-            out[name] = _to_hf_layout(source, leaf[i] if source.stacked else leaf)
+            out[name] = _to_hf_layout(source, leaf[i] if source.stacked else leaf, out.get(name))
     return out
 
 
@@ -137,7 +172,7 @@ def build_params(source: TensorSource, config: ModelConfig, dtype: np.dtype, des
     """Checks names and shapes of every tensor first, then reads them into the param pytree of `dtype`."""
     sources = _hf_sources(config)
     present = set(source.names())
-    expected = [name for s in sources for name in _hf_names(s, config)]
+    expected = expected_hf_names(config)
     missing = [name for name in expected if name not in present]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -158,7 +193,8 @@ def build_params(source: TensorSource, config: ModelConfig, dtype: np.dtype, des
 
     tree_shapes = param_shapes(config)
     params: dict[str, Any] = {}
-    with tqdm(total=len(expected), desc=desc, unit="tensor", leave=False) as bar:
+    reads = sum(len(_hf_names(s, config)) for s in sources)  # a fused tensor is read once per leaf it feeds
+    with tqdm(total=reads, desc=desc, unit="tensor", leave=False) as bar:
         for s in sources:
             node, key = params, s.path[-1]
             for part in s.path[:-1]:

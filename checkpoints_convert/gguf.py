@@ -1,9 +1,9 @@
-"""llama.cpp GGUF files (llama or qwen2, byte-level BPE tokenizer) to clusterkv checkpoints, dequantized."""
+"""llama.cpp GGUF files (llama, qwen2, qwen3, phi3 or glm4; byte-level BPE tokenizer) to clusterkv checkpoints,
+dequantized. Tensor names are mapped by the `gguf` package's own table of each architecture."""
 
 from __future__ import annotations
 
 import os
-import re
 from typing import Any
 
 import numpy as np
@@ -17,50 +17,29 @@ from checkpoints_convert.common import (
     write_json,
 )
 from clusterkv_jax import checkpoint as _checkpoint
-from clusterkv_jax.config import ModelConfig
+from clusterkv_jax.config import FAMILIES, ModelConfig
 
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-
-# GGUF tensor name -> HF name; "{i}" is the block index.
-_GGUF_TO_HF = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
-    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
-    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
-    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
-    "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
-    "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
-    "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
-    "blk.{i}.attn_output.bias": "model.layers.{i}.self_attn.o_proj.bias",
-    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
-    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
-    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
-}
-_HF_TO_GGUF = {hf: gguf for gguf, hf in _GGUF_TO_HF.items()}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                      "phi3": "Phi3ForCausalLM", "glm4": "Glm4ForCausalLM"}
+# Architectures whose HF class rotates part of each head (`rope.dimension_count` < head dim).
+_PARTIAL_ROTARY = ("phi3", "glm4")
 
 
-def _template_and_index(name: str) -> tuple[str, str | None]:
-    """'blk.3.attn_q.weight' -> ('blk.{i}.attn_q.weight', '3'); global names come back unchanged."""
-    match = re.match(r"^(blk|model\.layers)\.(\d+)\.(.*)$", name)
-    if not match:
-        return name, None
-    return f"{match.group(1)}.{{i}}.{match.group(3)}", match.group(2)
+def _gguf_names(config: ModelConfig) -> dict[str, str]:
+    """HF name -> GGUF name of every tensor the config's family reads, by the `gguf` package's table."""
+    import gguf
 
+    from checkpoints_convert.common import expected_hf_names
 
-def _gguf_name_to_hf(name: str) -> str | None:
-    template, index = _template_and_index(name)
-    hf = _GGUF_TO_HF.get(template)
-    return None if hf is None else hf.format(i=index)
-
-
-def _hf_name_to_gguf(name: str) -> str:
-    template, index = _template_and_index(name)
-    gguf_template = _HF_TO_GGUF.get(template)
-    return name if gguf_template is None else gguf_template.format(i=index)
+    arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == config.model_type)
+    table = gguf.get_tensor_name_map(arch, config.num_layers)
+    names = {}
+    for hf in expected_hf_names(config):
+        mapped = table.get_name(hf, try_suffixes=(".weight", ".bias"))
+        if mapped is None:
+            raise ValueError(f"the gguf package names no {config.model_type} tensor for {hf!r}")
+        names[hf] = mapped
+    return names
 
 
 def _unpermute_rope_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
@@ -79,10 +58,12 @@ class _GGUFSource(TensorSource):
     """Dequantized GGUF tensors under their HF names, in PyTorch [out, in] layout."""
 
     def __init__(self, reader, config: ModelConfig):
+        self._gguf_of = _gguf_names(config)
+        hf_of = {gguf_name: hf for hf, gguf_name in self._gguf_of.items()}
         self._tensors = {}
         self._unknown = []
         for tensor in reader.tensors:
-            hf = _gguf_name_to_hf(tensor.name)
+            hf = hf_of.get(tensor.name)
             if hf is None:
                 self._unknown.append(tensor.name)
             else:
@@ -96,7 +77,7 @@ class _GGUFSource(TensorSource):
         return [*self._tensors, *self._unknown]
 
     def describe(self, name):
-        return _hf_name_to_gguf(name)
+        return self._gguf_of.get(name, name)
 
     def shape(self, name):
         # GGUF lists dimensions innermost first.
@@ -173,6 +154,10 @@ def _gguf_hf_config(meta: _GGUFMetadata, tensor_names: set[str]) -> dict:
         raise ValueError(
             "unsupported GGUF tensor 'rope_freqs.weight': per-frequency RoPE factors (e.g. Llama 3.1 rope scaling)"
         )
+    for name in ("rope_factors_long.weight", "rope_factors_short.weight"):
+        if name in tensor_names:
+            raise ValueError(f"unsupported GGUF tensor {name!r}: LongRoPE factors (Phi-3-128k); convert the HF "
+                             "checkpoint instead")
     for name in meta.keys():
         if name.startswith(f"{arch}.") and "sliding_window" in name:
             raise ValueError(f"unsupported GGUF key {name!r}: sliding-window attention is not implemented")
@@ -187,7 +172,7 @@ def _gguf_hf_config(meta: _GGUFMetadata, tensor_names: set[str]) -> dict:
     if value_dim != head_dim:
         raise ValueError(f"unsupported GGUF {arch}.attention.value_length={value_dim} != key_length={head_dim}")
     rope_dim = int(key("rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
+    if rope_dim != head_dim and arch not in _PARTIAL_ROTARY:
         raise ValueError(
             f"unsupported GGUF {arch}.rope.dimension_count={rope_dim}: partial rotary (head_dim {head_dim})"
         )
@@ -199,8 +184,14 @@ def _gguf_hf_config(meta: _GGUFMetadata, tensor_names: set[str]) -> dict:
             rope_scaling = {"rope_type": "linear", "factor": float(key("rope.scale_linear"))}
     elif scaling_type == "linear":
         rope_scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+    elif scaling_type == "yarn":
+        if (key("rope.scaling.attn_factor", 1.0) or 1.0) != 1.0:
+            raise ValueError(f"unsupported GGUF {arch}.rope.scaling.attn_factor={key('rope.scaling.attn_factor')}")
+        rope_scaling = {"rope_type": "yarn", "factor": float(key("rope.scaling.factor")),
+                        "original_max_position_embeddings": int(key("rope.scaling.original_context_length"))}
     else:
-        raise ValueError(f"unsupported GGUF {arch}.rope.scaling.type {scaling_type!r}; supported: none, linear")
+        raise ValueError(f"unsupported GGUF {arch}.rope.scaling.type {scaling_type!r}; supported: none, linear, "
+                         "yarn")
 
     tokens = meta.get("tokenizer.ggml.tokens")
     vocab_size = key("vocab_size", None)
@@ -208,7 +199,7 @@ def _gguf_hf_config(meta: _GGUFMetadata, tensor_names: set[str]) -> dict:
         if tokens is None:
             raise ValueError(f"GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
         vocab_size = len(tokens)
-    default_eps = 1e-6 if arch == "qwen2" else 1e-5
+    default_eps = FAMILIES[arch].rms_norm_eps
     hf = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
         "model_type": arch,
@@ -225,11 +216,9 @@ def _gguf_hf_config(meta: _GGUFMetadata, tensor_names: set[str]) -> dict:
         "rope_theta": float(key("rope.freq_base", 10000.0)),
         "rope_scaling": rope_scaling,
         "tie_word_embeddings": "output.weight" not in tensor_names,
+        "partial_rotary_factor": rope_dim / head_dim,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
     }
-    if arch == "llama":
-        hf["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
-    else:
-        hf["use_sliding_window"] = False
     for field, gguf_key in (("bos_token_id", "bos_token_id"), ("pad_token_id", "padding_token_id")):
         value = meta.get(f"tokenizer.ggml.{gguf_key}")
         if value is not None:
@@ -401,8 +390,8 @@ def _gguf_tokenizer(meta: _GGUFMetadata, hf_config: dict):
 def convert_gguf(
     src: str | os.PathLike, dst: str | os.PathLike, dtype: Any = "float32", overwrite: bool = False
 ) -> str:
-    """Converts a llama.cpp GGUF file (architecture llama or qwen2, byte-level BPE tokenizer) to a clusterkv
-    checkpoint at `dst`, dequantizing every tensor."""
+    """Converts a llama.cpp GGUF file (architecture llama, qwen2, qwen3, phi3 or glm4; byte-level BPE tokenizer) to
+    a clusterkv checkpoint at `dst`, dequantizing every tensor."""
     import gguf
 
     src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))

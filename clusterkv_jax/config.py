@@ -12,8 +12,44 @@ import math
 import os
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """What an HF `model_type` changes in the one decoder layer (the way HF's `modeling_<family>.py` files differ)
+    and how its checkpoints name the weights (read by `checkpoints_convert`).
+
+    qkv_bias / o_bias: "config" (the config's `attention_bias`), "always" or "never". qk_norm: per-head RMSNorm of
+    q and k before RoPE (Qwen3). post_norms: RMSNorm of the attention output and of the MLP output before each
+    residual add (GLM-4-0414). rope_interleaved: RoPE rotates pairs of adjacent channels (GLM) instead of the two
+    halves. fused_qkv / fused_gate_up: the checkpoint stores q, k, v (or gate, up) as one matrix, split at
+    conversion."""
+
+    qkv_bias: str = "config"
+    o_bias: str = "config"
+    qk_norm: bool = False
+    post_norms: bool = False
+    rope_interleaved: bool = False
+    fused_qkv: bool = False
+    fused_gate_up: bool = False
+    # HF's defaults where config.json says nothing.
+    rms_norm_eps: float = 1e-5
+    attention_bias: bool = False
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family(),
+    "mistral": Family(),
+    "qwen2": Family(qkv_bias="always", o_bias="never", rms_norm_eps=1e-6),
+    "qwen3": Family(qk_norm=True, rms_norm_eps=1e-6),
+    "glm": Family(o_bias="never", rope_interleaved=True, fused_gate_up=True, rms_norm_eps=1.5625e-07,
+                  attention_bias=True),
+    "glm4": Family(o_bias="never", rope_interleaved=True, fused_gate_up=True, post_norms=True,
+                   rms_norm_eps=1.5625e-07, attention_bias=True),
+    "phi3": Family(qkv_bias="never", o_bias="never", fused_qkv=True, fused_gate_up=True),
+}
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +61,17 @@ class RopeScaling:
     # llama3 only.
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
+    # llama3, yarn, longrope: the context the model was pretrained at.
     original_max_position_embeddings: int = 8192
+    # yarn only: the band of dims between interpolation and extrapolation.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    # yarn, longrope: cos and sin are scaled by it (1 for the other types).
+    attention_factor: float = 1.0
+    # longrope only: per-frequency divisors for sequences within / past the original context.
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +92,10 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     o_bias: bool = False
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (weights q_norm, k_norm [H])
+    post_norms: bool = False  # RMSNorm of the attention and MLP outputs before their residual adds
+    rope_interleaved: bool = False  # RoPE rotates channel pairs (2i, 2i + 1), not halves
+    partial_rotary_factor: float = 1.0  # RoPE rotates the first int(head_dim * this) channels
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -58,20 +108,35 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2 or not self.rotary_dim:
+            raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} must rotate an even, nonzero number "
+                             f"of the head's {self.head_dim} channels")
+        s = self.rope_scaling
+        if s.rope_type == "longrope" and not len(s.short_factor) == len(s.long_factor) == self.rotary_dim // 2:
+            raise ValueError(f"longrope short_factor and long_factor need {self.rotary_dim // 2} values each (half "
+                             f"the rotated channels), got {len(s.short_factor)} and {len(s.long_factor)}")
+        if s.rope_type == "dynamic" and self.rotary_dim <= 2:
+            raise ValueError("dynamic rope scaling needs more than 2 rotated channels")
 
     @property
     def group_size(self) -> int:
         """Query heads per KV head (GQA)."""
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head that RoPE rotates (the first ones; HF's int(head_dim * partial_rotary_factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> "ModelConfig":
         """Builds a config from a parsed HF `config.json`, refusing any math-changing field we lack."""
         model_type = hf.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        if model_type not in FAMILIES:
             raise ValueError(
                 f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        family = FAMILIES[model_type]
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             if key not in hf:
                 raise ValueError(f"config.json lacks required field {key!r}")
@@ -80,7 +145,7 @@ class ModelConfig:
             raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU) is implemented")
         if hf.get("mlp_bias"):
             raise ValueError("unsupported mlp_bias=True; MLP biases are not implemented")
-        if hf.get("use_sliding_window") or (model_type == "mistral" and hf.get("sliding_window")):
+        if hf.get("use_sliding_window") or (model_type in ("mistral", "phi3") and hf.get("sliding_window")):
             raise ValueError(
                 f"unsupported sliding_window={hf.get('sliding_window')!r}; sliding-window attention is not implemented"
             )
@@ -97,10 +162,8 @@ class ModelConfig:
 
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        if model_type == "qwen2":
-            qkv_bias, o_bias = True, False
-        else:
-            qkv_bias = o_bias = bool(hf.get("attention_bias", False))
+        attention_bias = bool(hf.get("attention_bias", family.attention_bias))
+        bias = lambda rule: {"config": attention_bias, "always": True, "never": False}[rule]  # noqa: E731
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hidden,
@@ -109,13 +172,17 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6 if model_type == "qwen2" else 1e-5)),
+            rms_norm_eps=float(hf.get("rms_norm_eps", family.rms_norm_eps)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=qkv_bias,
-            o_bias=o_bias,
+            qkv_bias=bias(family.qkv_bias),
+            o_bias=bias(family.o_bias),
+            qk_norm=family.qk_norm,
+            post_norms=family.post_norms,
+            rope_interleaved=family.rope_interleaved,
+            partial_rotary_factor=_partial_rotary_factor(hf),
             model_type=model_type,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -143,6 +210,18 @@ def read_json_object(path: str) -> dict[str, Any]:
     return obj
 
 
+def _partial_rotary_factor(hf: dict[str, Any]) -> float:
+    """transformers>=5 keeps it in `rope_parameters`; older configs (GLM-4-9B-chat-hf) at the top level."""
+    params = hf.get("rope_parameters")
+    value = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    if value is None:
+        value = hf.get("partial_rotary_factor", 1.0)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"partial_rotary_factor must be a number, got {value!r}") from None
+
+
 def _parse_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling]:
     """Reads RoPE settings from either transformers<5 (`rope_theta`, `rope_scaling`) or >=5 (`rope_parameters`)."""
     params = hf.get("rope_parameters")
@@ -157,21 +236,64 @@ def _parse_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling]:
         raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     if rope_type == "default":
         return theta, RopeScaling()
-    factor = float(scaling.get("factor", 1.0))
+    max_positions = int(hf.get("max_position_embeddings", 8192))
+    original = scaling.get("original_max_position_embeddings", hf.get("original_max_position_embeddings"))
+    if rope_type in ("yarn", "longrope") and original is None:
+        raise ValueError(f"{rope_type} rope scaling lacks original_max_position_embeddings")
+    factor = scaling.get("factor")
+    if factor is None and rope_type in ("yarn", "longrope"):
+        factor = max_positions / int(original)  # HF's rule when the factor is not given
+    factor = _number(factor if factor is not None else 1.0, "rope scaling factor")
     if not factor > 0 or math.isinf(factor):
         raise ValueError(f"rope scaling factor must be positive, got {factor}")
-    if rope_type == "linear":
-        return theta, RopeScaling(rope_type="linear", factor=factor)
-    missing = [k for k in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings") if k not in scaling]
-    if missing:
-        raise ValueError(f"llama3 rope scaling lacks {', '.join(missing)}")
+    if rope_type in ("linear", "dynamic"):
+        return theta, RopeScaling(rope_type=rope_type, factor=factor)
+    if rope_type == "llama3":
+        missing = [k for k in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+                   if k not in scaling]
+        if missing:
+            raise ValueError(f"llama3 rope scaling lacks {', '.join(missing)}")
+        return theta, RopeScaling(
+            rope_type="llama3",
+            factor=factor,
+            low_freq_factor=_number(scaling["low_freq_factor"], "low_freq_factor"),
+            high_freq_factor=_number(scaling["high_freq_factor"], "high_freq_factor"),
+            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        )
+    attention_factor = scaling.get("attention_factor")
+    if rope_type == "yarn":
+        if attention_factor is None:
+            mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+            yarn_mscale = lambda m=1.0: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0  # noqa: E731
+            attention_factor = (yarn_mscale(mscale) / yarn_mscale(mscale_all_dim) if mscale and mscale_all_dim
+                                else yarn_mscale())
+        return theta, RopeScaling(
+            rope_type="yarn", factor=factor, original_max_position_embeddings=int(original),
+            beta_fast=_number(scaling.get("beta_fast") or 32, "beta_fast"),
+            beta_slow=_number(scaling.get("beta_slow") or 1, "beta_slow"),
+            truncate=bool(scaling.get("truncate", True)),
+            attention_factor=_number(attention_factor, "attention_factor"))
+    # longrope
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(int(original)))
+    short, long = scaling.get("short_factor"), scaling.get("long_factor")
+    if not isinstance(short, (list, tuple)) or not isinstance(long, (list, tuple)):
+        raise ValueError("longrope rope scaling needs short_factor and long_factor lists")
     return theta, RopeScaling(
-        rope_type="llama3",
-        factor=factor,
-        low_freq_factor=float(scaling["low_freq_factor"]),
-        high_freq_factor=float(scaling["high_freq_factor"]),
-        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-    )
+        rope_type="longrope", factor=factor, original_max_position_embeddings=int(original),
+        attention_factor=_number(attention_factor, "attention_factor"),
+        short_factor=tuple(_number(f, "short_factor") for f in short),
+        long_factor=tuple(_number(f, "long_factor") for f in long))
+
+
+def _number(value: Any, name: str) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return number
 
 
 # Published geometries (the models' HF config.json values) for benchmarks with random weights, where no small
@@ -187,6 +309,16 @@ SYNTHETIC_GEOMETRIES: dict[str, dict[str, Any]] = {
     "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
                          num_kv_heads=3, head_dim=64, rope_theta=100000.0, max_position_embeddings=8192,
                          tie_word_embeddings=True),
+    # GLM-4-9B-chat-hf, the paper's accuracy model: 32 query heads share 2 KV heads; half of each head rotates.
+    "glm4-9b": dict(vocab_size=151552, hidden_size=4096, intermediate_size=13696, num_layers=40, num_heads=32,
+                    num_kv_heads=2, head_dim=128, rms_norm_eps=1.5625e-07, max_position_embeddings=131072,
+                    qkv_bias=True, rope_interleaved=True, partial_rotary_factor=0.5, model_type="glm"),
+    "qwen2.5-7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28,
+                       num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                       max_position_embeddings=32768, qkv_bias=True, model_type="qwen2"),
+    "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
+                     num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                     max_position_embeddings=40960, qk_norm=True, model_type="qwen3"),
 }
 
 

@@ -1,4 +1,7 @@
-"""A functional Llama-family decoder: RMSNorm, RoPE (default / linear / llama3), GQA, SwiGLU.
+"""A functional decoder for the Llama-shaped families (Llama, Mistral, Qwen2, Qwen3, GLM, GLM-4, Phi-3): RMSNorm,
+RoPE (default / linear / llama3; whole or partial, halves or interleaved pairs), GQA, SwiGLU; what a family changes
+is a field of `ModelConfig` (`config.FAMILIES`): q/k/v and output biases, per-head q/k norms, norms after the
+attention and the MLP.
 
 Parameters are a plain pytree (see `param_shapes`); every function here is pure and jit-able. Layers are
 stacked on a leading axis and run under `lax.scan`, so compile time does not grow with depth: one scan per
@@ -15,13 +18,14 @@ F MLP width, V vocabulary, L layers.
 
 from __future__ import annotations
 
-import math
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from clusterkv_jax import attend as attend_module
+from clusterkv_jax import rope
 from clusterkv_jax.attend import PREFILL_BLOCK
 from clusterkv_jax.cache import KVCache, LayerGroup
 from clusterkv_jax.config import ModelConfig
@@ -48,6 +52,10 @@ def param_shapes(config: ModelConfig) -> Params:
         layers.update(q_bias=(L, N, H), k_bias=(L, K, H), v_bias=(L, K, H))
     if c.o_bias:
         layers["o_bias"] = (L, D)
+    if c.qk_norm:
+        layers.update(q_norm=(L, H), k_norm=(L, H))
+    if c.post_norms:
+        layers.update(post_attn_norm=(L, D), post_mlp_norm=(L, D))
     shapes: Params = {"embed": (c.vocab_size, D), "layers": layers, "final_norm": (D,)}
     if not c.tie_word_embeddings:
         shapes["lm_head"] = (D, c.vocab_size)
@@ -83,46 +91,28 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def rope_inv_freq(config: ModelConfig) -> jax.Array:
-    """Inverse RoPE frequencies [H/2], with `linear` or Llama-3.1 `llama3` scaling applied."""
-    H = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
-    s = config.rope_scaling
-    if s.rope_type == "linear":
-        return inv_freq / s.factor
-    if s.rope_type == "llama3":
-        old_len = s.original_max_position_embeddings
-        low_freq_wavelen = old_len / s.low_freq_factor
-        high_freq_wavelen = old_len / s.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated smoothly.
-        scaled = jnp.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
-        smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
-        smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-        return jnp.where(is_medium, smoothed, scaled)
-    return inv_freq
+    """Inverse RoPE frequencies [rotary_dim / 2] of a RoPE type whose frequencies are fixed (`clusterkv_jax.rope`)."""
+    return rope.inv_freq(config)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotates x [..., T, heads, H] by positions [..., T] (HF's rotate-half layout)."""
-    # [..., T, H/2]
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, interleaved: bool = False) -> jax.Array:
+    """Rotates the first 2·len(inv_freq) channels of x [B, T, heads, H] by positions [B, T] (`rope.apply`)."""
     angles = positions[..., None].astype(jnp.float32) * inv_freq
-    cos = jnp.cos(angles)[..., None, :]
-    sin = jnp.sin(angles)[..., None, :]
-    x32 = x.astype(jnp.float32)
-    x1, x2 = jnp.split(x32, 2, axis=-1)
-    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return rotated.astype(x.dtype)
+    return rope.apply(x, jnp.cos(angles), jnp.sin(angles), interleaved)
 
 
-def _project_qkv(layer: Params, x: jax.Array, positions: jax.Array, inv_freq: jax.Array):
-    """x [B, T, D] -> post-RoPE q [B, T, N, H], k [B, T, K, H] and v [B, T, K, H]."""
+def _project_qkv(layer: Params, config: ModelConfig, x: jax.Array, cos_sin: tuple[jax.Array, jax.Array]):
+    """x [B, T, D] -> post-RoPE q [B, T, N, H], k [B, T, K, H] (after the per-head norms, where the family has
+    them) and v [B, T, K, H]; cos_sin from `rope.tables`."""
     q = jnp.einsum("BTD,DNH->BTNH", x, layer["q"])
     k = jnp.einsum("BTD,DKH->BTKH", x, layer["k"])
     v = jnp.einsum("BTD,DKH->BTKH", x, layer["v"])
     if "q_bias" in layer:
         q, k, v = q + layer["q_bias"], k + layer["k_bias"], v + layer["v_bias"]
-    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+    if "q_norm" in layer:
+        q, k = rms_norm(q, layer["q_norm"], config.rms_norm_eps), rms_norm(k, layer["k_norm"], config.rms_norm_eps)
+    rotate = functools.partial(rope.apply, cos=cos_sin[0], sin=cos_sin[1], interleaved=config.rope_interleaved)
+    return rotate(q), rotate(k), v
 
 
 def _output_and_mlp(layer: Params, config: ModelConfig, x: jax.Array, attn: jax.Array) -> jax.Array:
@@ -130,11 +120,16 @@ def _output_and_mlp(layer: Params, config: ModelConfig, x: jax.Array, attn: jax.
     out = jnp.einsum("BTNH,NHD->BTD", attn.astype(x.dtype), layer["o"])
     if "o_bias" in layer:
         out = out + layer["o_bias"]
+    if "post_attn_norm" in layer:
+        out = rms_norm(out, layer["post_attn_norm"], config.rms_norm_eps)
     x = x + out
     h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
     gate = jnp.einsum("BTD,DF->BTF", h, layer["gate"])
     up = jnp.einsum("BTD,DF->BTF", h, layer["up"])
-    return x + jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, layer["down"])
+    mlp = jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, layer["down"])
+    if "post_mlp_norm" in layer:
+        mlp = rms_norm(mlp, layer["post_mlp_norm"], config.rms_norm_eps)
+    return x + mlp
 
 
 def _logits(params: Params, config: ModelConfig, x: jax.Array) -> jax.Array:
@@ -150,25 +145,26 @@ def _logits(params: Params, config: ModelConfig, x: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _layer(layer: Params, config: ModelConfig, x: jax.Array, positions: jax.Array, inv_freq: jax.Array, attend):
+def _layer(layer: Params, config: ModelConfig, x: jax.Array, cos_sin, attend):
     """One decoder layer. attend(q [B, T, N, H], k, v [B, T, K, H]) -> (attention output [B, T, N, H], *extra)
     stores the new K/V and attends; returns (x after attention and MLP, extra)."""
     h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
-    q, k, v = _project_qkv(layer, h, positions, inv_freq)
+    q, k, v = _project_qkv(layer, config, h, cos_sin)
     attn, *extra = attend(q, k, v)
     return _output_and_mlp(layer, config, x, attn), extra
 
 
 def _run_layers(params: Params, config: ModelConfig, groups: tuple[LayerGroup, ...], x: jax.Array,
-                positions: jax.Array, step) -> tuple[jax.Array, tuple[LayerGroup, ...]]:
-    """Runs every layer on x [B, T, D] at positions [B, T], group by group (one `lax.scan` each); `step` (from
-    `clusterkv_jax.attend`) stores and attends. Returns x and the groups with their new stores and states.
+                positions: jax.Array, seq_lens: jax.Array, step) -> tuple[jax.Array, tuple[LayerGroup, ...]]:
+    """Runs every layer on x [B, T, D] at positions [B, T] of sequences of lengths seq_lens [B] (what RoPE types
+    that depend on the length read), group by group (one `lax.scan` each); `step` (from `clusterkv_jax.attend`)
+    stores and attends. Returns x and the groups with their new stores and states.
 
     A group's stacked states ride in the scan's carry, like its store, and a layer's state is written back only
     when the step says it changed (on the CPU, under a `lax.cond`): most decode steps change no policy state, and
     writing every layer's state back each step is a visible part of a small model's step on the CPU (RESULTS.md).
     Elsewhere the write always runs: a conditional that returns the carry may make XLA:GPU copy it whole."""
-    inv_freq = rope_inv_freq(config)
+    cos_sin = rope.tables(config, positions, seq_lens)
     out = []
     for group in groups:
         def body(carry, i, group=group):
@@ -179,7 +175,7 @@ def _run_layers(params: Params, config: ModelConfig, groups: tuple[LayerGroup, .
 
             # Indexed inside the body (not scanned over a slice), so no group copies the weights.
             layer, state = at(params["layers"], group.start + i), at(states, i)
-            x, (store, state, changed) = _layer(layer, config, x, positions, inv_freq,
+            x, (store, state, changed) = _layer(layer, config, x, cos_sin,
                                                 lambda q, k, v: step.attend(group, i, store, state, q, k, v))
 
             def write(states):
@@ -228,7 +224,7 @@ def forward_prefill(
             positions = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
             step = attend_module.PrefillChunk(policy, lengths, S, start, T)
             x = params["embed"][jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1)]
-            x, groups = _run_layers(params, config, groups, x, positions, step)
+            x, groups = _run_layers(params, config, groups, x, positions, lengths, step)
             return groups, x
 
         groups, xs = jax.lax.scan(run_chunk, cache.groups, jnp.arange(T // chunk, dtype=jnp.int32))
@@ -236,7 +232,7 @@ def forward_prefill(
         groups = attend_module.index_prompt(policy, groups, lengths, S, T)
     else:
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        x, groups = _run_layers(params, config, cache.groups, params["embed"][tokens], positions,
+        x, groups = _run_layers(params, config, cache.groups, params["embed"][tokens], positions, lengths,
                                 attend_module.Prefill(policy, lengths, S))
     if all_logits:
         logits = _logits(params, config, x)
@@ -257,6 +253,6 @@ def forward_decode(
     """Appends one token per sequence at position `cache.lengths` and returns its logits [B, V]."""
     step = attend_module.Decode(policy, cache.lengths, cache.prompt_lengths, cache.capacity)
     x, groups = _run_layers(params, config, cache.groups, params["embed"][tokens][:, None], cache.lengths[:, None],
-                            step)
+                            cache.lengths + 1, step)
     logits = _logits(params, config, x[:, 0])
     return logits, cache.replace(groups=groups, lengths=cache.lengths + 1)

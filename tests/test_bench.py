@@ -205,6 +205,11 @@ def test_hf_model_from_our_params_gives_our_logits(tie):
 def test_synthetic_geometries_and_bad_names():
     cfg = synthetic_config("llama3-8b", layers=3)
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.num_layers) == (32, 8, 128, 4096, 3)
+    glm, qwen3 = synthetic_config("glm4-9b", layers=2), synthetic_config("qwen3-8b", layers=2)
+    assert (glm.num_heads, glm.num_kv_heads, glm.rotary_dim, glm.rope_interleaved, glm.qkv_bias) == (
+        32, 2, 64, True, True)
+    assert (qwen3.num_heads, qwen3.num_kv_heads, qwen3.qk_norm, qwen3.model_type) == (32, 8, True, "qwen3")
+    assert synthetic_config("qwen2.5-7b").qkv_bias
     with pytest.raises(ValueError, match="unknown geometry"):
         synthetic_config("llama9")
     with pytest.raises(ValueError, match="must include 'full'"):

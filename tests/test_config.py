@@ -6,6 +6,7 @@ import os
 
 import json
 
+import numpy as np
 import pytest
 
 from clusterkv_jax import ModelConfig, load_model
@@ -29,12 +30,35 @@ def test_qwen2_gets_qkv_bias_and_eos_lists():
     assert c.qkv_bias and not c.o_bias and c.eos_token_ids == (5, 7)
 
 
+def test_families_map_to_fields():
+    """What each family changes in the layer, read from its model_type and config (HF's defaults where the
+    config says nothing)."""
+    glm = ModelConfig.from_hf_dict({**BASE, "model_type": "glm", "rope_parameters": {
+        "rope_theta": 1e4, "partial_rotary_factor": 0.5}})
+    assert (glm.qkv_bias, glm.o_bias, glm.rope_interleaved, glm.rotary_dim) == (True, False, True, 8)
+    assert glm.rms_norm_eps == 1.5625e-07 and not glm.post_norms
+    glm4 = ModelConfig.from_hf_dict({**BASE, "model_type": "glm4", "partial_rotary_factor": 0.5,
+                                     "attention_bias": False})
+    assert glm4.post_norms and not glm4.qkv_bias and glm4.rotary_dim == 8
+    qwen3 = ModelConfig.from_hf_dict({**BASE, "model_type": "qwen3", "head_dim": 32})
+    assert qwen3.qk_norm and qwen3.head_dim == 32 and qwen3.rotary_dim == 32 and not qwen3.qkv_bias
+    phi3 = ModelConfig.from_hf_dict({**BASE, "model_type": "phi3", "attention_bias": True})
+    assert not (phi3.qkv_bias or phi3.o_bias or phi3.qk_norm or phi3.rope_interleaved)
+    yarn = ModelConfig.from_hf_dict({**BASE, "max_position_embeddings": 128, "rope_scaling": {
+        "type": "yarn", "original_max_position_embeddings": 32}}).rope_scaling
+    assert yarn.factor == 4.0 and yarn.attention_factor == pytest.approx(0.1 * np.log(4.0) + 1)
+
+
 @pytest.mark.parametrize(
     "override,message",
     [
         ({"model_type": "gpt2"}, "model_type 'gpt2'"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling type 'yarn'"),
-        ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}, "'dynamic'"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn rope scaling lacks original_max_position"),
+        ({"rope_parameters": {"rope_type": "proportional", "rope_theta": 1e4, "factor": 2.0}}, "'proportional'"),
+        ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [1.0] * 4,
+                           "original_max_position_embeddings": 32}}, "need 8 values each"),
+        ({"model_type": "phi3", "sliding_window": 2047}, "sliding_window"),
+        ({"model_type": "glm", "partial_rotary_factor": 0.1}, "partial_rotary_factor"),
         ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4096}, "sliding_window"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"mlp_bias": True}, "mlp_bias"),

@@ -316,9 +316,13 @@ def test_tiny_gguf_round_trip(tmp_path, model_type):
     assert tokenizer.encode("hello").tokens == ["<|endoftext|>", "he", "ll", "o"]
 
 
-def test_gguf_refuses_yarn_rope_scaling(tmp_path):
+def test_gguf_yarn_needs_its_original_context_and_longrope_is_refused(tmp_path):
     src = write_tiny_gguf(tmp_path / "yarn.gguf", rope_scaling="yarn")
-    with pytest.raises(ValueError, match="rope.scaling.type 'yarn'"):
+    with pytest.raises(ValueError, match="rope.scaling.original_context_length"):
+        convert_gguf(src, tmp_path / "out")
+    assert not os.path.exists(tmp_path / "out")
+    src = write_tiny_gguf(tmp_path / "longrope.gguf", rope_scaling="longrope")
+    with pytest.raises(ValueError, match="rope.scaling.type 'longrope'"):
         convert_gguf(src, tmp_path / "out")
     assert not os.path.exists(tmp_path / "out")
 
@@ -395,8 +399,7 @@ def test_hf_unexpected_tensor_is_refused(tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     ({"model_type": "gemma2"}, "unsupported model_type 'gemma2'"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}},
-     "unsupported rope scaling type 'yarn'"),
+    ({"rope_scaling": {"rope_type": "proportional", "factor": 4.0}}, "unsupported rope scaling type 'proportional'"),
 ])
 def test_hf_unsupported_config_is_refused(tmp_path, override, message):
     src = write_tiny_hf(tmp_path / "src", cfg=dict(TINY_CONFIG, **override), tensors=tiny_tensors(TINY_CONFIG))

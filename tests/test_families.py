@@ -1,0 +1,180 @@
+"""Every supported family and RoPE type against HF transformers: a tiny random checkpoint built and saved by
+transformers here (norms and biases perturbed away from their init), converted, equals HF (float32, eager
+attention) in the logits at every position and in 32 greedy tokens; ClusterKV with a budget covering the context
+equals full KV token for token; ClusterKV, Quest and the host offload run on it, and a ragged batch equals each
+prompt alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import clusterkv_jax as ckv  # noqa: E402
+from checkpoints_convert import convert_hf  # noqa: E402
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+LONGROPE = {"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+            "long_factor": [2.0 + 0.5 * i for i in range(8)]}
+# (model_type, config overrides, prompt length). Each prompt stays on one side of a length-dependent RoPE's switch
+# for all 32 new tokens (see README, "Families": HF's Phi-3 recomputes its cache when a generation crosses it).
+CASES = {
+    "qwen3": ("qwen3", {}, 100),
+    "glm": ("glm", {}, 100),  # partial (half) interleaved RoPE, q/k/v biases, fused gate/up
+    "glm4": ("glm4", {}, 100),  # and norms after the attention and the MLP
+    "phi3": ("phi3", {"head_dim": None}, 100),  # fused qkv and gate/up
+    "qwen2-yarn": ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                              "original_max_position_embeddings": 64}}, 100),
+    "phi3-longrope-long": ("phi3", {"head_dim": None, "rope_scaling": LONGROPE,
+                                    "original_max_position_embeddings": 64}, 100),
+    "phi3-longrope-short": ("phi3", {"head_dim": None, "rope_scaling": LONGROPE,
+                                     "original_max_position_embeddings": 64}, 24),
+    "llama-dynamic": ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0},
+                                "max_position_embeddings": 64}, 100),
+}
+NEW = 32
+pytestmark = pytest.mark.filterwarnings("ignore:no tokenizer.json")
+SMALL = dict(sinks=4, tokens_per_cluster=8, decode_interval=16, decode_clusters=2, full_layers=1)
+
+
+def _hf_model(model_type: str, overrides: dict):
+    fields = {**TINY, **overrides}
+    fields = {k: v for k, v in fields.items() if v is not None}
+    config = transformers.AutoConfig.for_model(model_type, **fields)
+    config.pad_token_id = config.eos_token_id = config.bos_token_id = None
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "bias" in name:
+                p.add_(0.3 * torch.randn_like(p))
+            p.mul_(3.0)  # peaked attention: dropping tokens shows in the output
+    return model
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory):
+    model_type, overrides, prompt_length = CASES[request.param]
+    hf = _hf_model(model_type, overrides)
+    root = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(root / "hf")
+    convert_hf(root / "hf", root / "ours", dtype="float32")
+    ours = ckv.load_model(root / "ours")
+    ids = np.random.default_rng(prompt_length).integers(0, TINY["vocab_size"], prompt_length).tolist()
+    return request.param, hf, ours, ids
+
+
+def _generate(model, prompts, policy=ckv.FullKV(), **kw):
+    return ckv.generate(model, prompts, NEW, policy=policy, stop_at_eos=False, max_length=256, **kw).tokens
+
+
+def test_logits_and_greedy_tokens_equal_hf(case):
+    name, hf, ours, ids = case
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0].double().numpy()
+        greedy = hf.generate(torch.tensor([ids]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+    tokens = np.zeros((1, 128), np.int32)
+    tokens[0, :len(ids)] = ids
+    cache = ckv.init_cache(ours.config, ckv.FullKV(), 1, 256)
+    logits, _ = ckv.prefill(ours.params, tokens, np.array([len(ids)], np.int32), cache, config=ours.config,
+                            policy=ckv.FullKV(), all_logits=True)
+    got = np.asarray(logits)[0, :len(ids)]
+    assert np.abs(got - want).max() < 1e-4 * max(1.0, np.abs(want).max()), name
+    assert _generate(ours, ids)[0] == greedy[0, len(ids):].tolist(), name
+
+
+def test_policies_run_and_a_covering_budget_equals_full_kv(case):
+    name, _, ours, ids = case
+    full = _generate(ours, ids)[0]
+    assert _generate(ours, ids, ckv.ClusterKV(budget=512, **SMALL))[0] == full, name
+    small = ckv.ClusterKV(budget=24, **SMALL)
+    on_device = _generate(ours, ids, small)[0]
+    assert _generate(ours, ids, ckv.ClusterKV(budget=24, offload=True, **SMALL))[0] == on_device, name
+    assert len(_generate(ours, ids, ckv.Quest(budget=32, page_size=8, full_layers=1))[0]) == NEW
+
+
+def test_ragged_batch_equals_each_prompt_alone(case):
+    name, _, ours, ids = case
+    prompts = [ids, ids[: len(ids) // 2 + 3]]
+    policy = ckv.ClusterKV(budget=24, **SMALL)
+    assert _generate(ours, prompts, policy) == [_generate(ours, p, policy)[0] for p in prompts], name
+
+
+# llama.cpp's names for HF tensors (its convert_hf_to_gguf.py), written out here as the reference the converter's
+# use of the `gguf` package's table must agree with.
+GGUF_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_self_attn_layernorm.weight": "post_attention_norm.weight",
+    "post_mlp_layernorm.weight": "post_ffw_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.gate_up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+}
+GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+               "lm_head.weight": "output.weight"}
+
+
+def _write_gguf(path, hf, model_type: str) -> str:
+    """The HF model as llama.cpp writes a GGUF of it (float32; a byte-level BPE vocabulary of its size)."""
+    import gguf
+    from gguf.vocab import bytes_to_unicode
+
+    c = hf.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    rotary = int(head_dim * c.rope_parameters.get("partial_rotary_factor", 1.0))
+    writer = gguf.GGUFWriter(str(path), model_type)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(rotary)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    byte_tokens = list(bytes_to_unicode().values())  # '!', '"', ...
+    writer.add_token_list(byte_tokens[: c.vocab_size - 1] + [byte_tokens[0] + byte_tokens[1]])
+    writer.add_token_merges([f"{byte_tokens[0]} {byte_tokens[1]}"])
+    for name, w in hf.state_dict().items():
+        if name.startswith("model.layers."):
+            i, rest = name[len("model.layers."):].split(".", 1)
+            gguf_name = f"blk.{i}.{GGUF_NAMES[rest]}"
+        else:
+            gguf_name = GGUF_GLOBAL[name]
+        writer.add_tensor(gguf_name, np.ascontiguousarray(w.numpy()))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "glm4", "phi3"])
+def test_gguf_of_the_family_converts_to_the_same_params(name, tmp_path):
+    """A GGUF of the family, named as llama.cpp names it, converts to the parameters and the layer math the HF
+    checkpoint converts to."""
+    from checkpoints_convert import convert_gguf
+
+    model_type, overrides, _ = CASES[name]
+    hf = _hf_model(model_type, overrides)
+    hf.save_pretrained(tmp_path / "hf")
+    from_hf = ckv.load_model(convert_hf(tmp_path / "hf", tmp_path / "from_hf", dtype="float32"))
+    from_gguf = ckv.load_model(convert_gguf(_write_gguf(tmp_path / "m.gguf", hf, model_type), tmp_path / "from_gguf"))
+    fields = ("qkv_bias", "o_bias", "qk_norm", "post_norms", "rope_interleaved", "rotary_dim", "head_dim")
+    assert [getattr(from_gguf.config, f) for f in fields] == [getattr(from_hf.config, f) for f in fields]
+    import jax
+
+    leaves = zip(jax.tree_util.tree_leaves_with_path(from_hf.params), jax.tree_util.tree_leaves(from_gguf.params))
+    for (path, a), b in leaves:
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
