@@ -2,7 +2,8 @@
 transformers here (norms and biases perturbed away from their init), converted, equals HF (float32, eager
 attention) in the logits at every position and in 32 greedy tokens; ClusterKV with a budget covering the context
 equals full KV token for token; ClusterKV, Quest and the host offload run on it, and a ragged batch equals each
-prompt alone."""
+prompt alone. ClusterKV's clusters are made of the keys HF caches (after q/k norm and RoPE); a GGUF of each family
+llama.cpp names converts to the same parameters."""
 
 from __future__ import annotations
 
@@ -102,6 +103,42 @@ def test_ragged_batch_equals_each_prompt_alone(case):
     policy = ckv.ClusterKV(budget=24, **SMALL)
     assert _generate(ours, prompts, policy) == [_generate(ours, p, policy)[0] for p in prompts], name
 
+
+
+@pytest.mark.parametrize("case", ["qwen3", "glm", "glm4"], indirect=True)
+def test_clusters_are_made_of_hfs_cached_keys(case):
+    """What clustering sees is what HF caches: post-RoPE keys after any q/k norm (Qwen3), partial interleaved RoPE
+    (GLM). After a ClusterKV prefill, every selecting layer's stored rows equal HF's cached keys at their positions
+    and each cluster's centroid is the mean of HF's keys of its members."""
+    import jax
+
+    name, hf, ours, ids = case
+    with torch.no_grad():
+        cached = hf(torch.tensor([ids]), use_cache=True).past_key_values
+    policy = ckv.ClusterKV(budget=24, **SMALL)
+    tokens = np.zeros((1, 128), np.int32)
+    tokens[0, :len(ids)] = ids
+    cache = ckv.init_cache(ours.config, policy, 1, 256)
+    _, cache = ckv.prefill(ours.params, tokens, np.array([len(ids)], np.int32), cache, config=ours.config,
+                           policy=policy)
+    checked = 0
+    for layer in range(policy.full_layers, ours.config.num_layers):
+        want = cached.layers[layer].keys[0].double().numpy()  # [K, L, H]
+        group, i = cache.group_of(layer)
+        state = jax.tree.map(lambda x: x[i], group.state)
+        rows, where = np.asarray(cache.layer_kv(layer)[0])[0], np.asarray(state.row_positions)[0]  # [K, R, H]
+        scale = np.abs(want).max()
+        for h in range(want.shape[0]):
+            held = where[h] >= 0
+            assert np.abs(rows[h][held] - want[h, where[h][held]]).max() < 1e-4 * scale, (name, layer, h)
+            sizes, first = np.asarray(state.sizes[0, h]), np.asarray(state.block_start[0, h])
+            for c in np.flatnonzero(sizes):
+                start = first[c] * policy.block_size
+                members = where[h, start:start + sizes[c]]
+                centroid = np.asarray(state.centroids[0, h, c])
+                assert np.abs(centroid - want[h, members].mean(0)).max() < 1e-4 * scale, (name, layer, h, c)
+                checked += 1
+    assert checked >= (ours.config.num_layers - 1) * 2 * (len(ids) - 4) // 8 // 2, checked
 
 # llama.cpp's names for HF tensors (its convert_hf_to_gguf.py), written out here as the reference the converter's
 # use of the `gguf` package's table must agree with.
