@@ -18,6 +18,7 @@ from checkpoints_convert.__main__ import main as cli_main
 from clusterkv_jax import checkpoint
 from clusterkv_jax.checkpoint import load_params
 from clusterkv_jax.config import ModelConfig
+from tests.helpers import GGUF_GLOBAL, GGUF_NAMES
 
 # ----------------------------------------------------------------------------------------------------------
 # Tiny random checkpoints
@@ -137,16 +138,7 @@ def write_tiny_gguf(path, cfg: dict | None = None, tensors: dict | None = None, 
     writer.add_eos_token_id(len(tokens) - 1)
     writer.add_add_bos_token(add_bos)
     writer.add_chat_template("{{ messages[0]['content'] }}")
-    renames = {
-        "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight", "input_layernorm.weight": "attn_norm.weight",
-        "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-        "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-        "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
-        "self_attn.v_proj.bias": "attn_v.bias", "post_attention_layernorm.weight": "ffn_norm.weight",
-        "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-        "mlp.down_proj.weight": "ffn_down.weight",
-    }
+    renames = {**GGUF_GLOBAL, **GGUF_NAMES}
     for name, w in tensors.items():
         if name.startswith("model.layers."):
             i, rest = name[len("model.layers."):].split(".", 1)

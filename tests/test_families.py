@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 import clusterkv_jax as ckv  # noqa: E402
 from checkpoints_convert import convert_hf  # noqa: E402
+from tests.helpers import GGUF_GLOBAL, GGUF_NAMES  # noqa: E402
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
@@ -139,23 +140,6 @@ def test_clusters_are_made_of_hfs_cached_keys(case):
                 assert np.abs(centroid - want[h, members].mean(0)).max() < 1e-4 * scale, (name, layer, h, c)
                 checked += 1
     assert checked >= (ours.config.num_layers - 1) * 2 * (len(ids) - 4) // 8 // 2, checked
-
-# llama.cpp's names for HF tensors (its convert_hf_to_gguf.py), written out here as the reference the converter's
-# use of the `gguf` package's table must agree with.
-GGUF_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias",
-    "self_attn.qkv_proj.weight": "attn_qkv.weight", "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "post_self_attn_layernorm.weight": "post_attention_norm.weight",
-    "post_mlp_layernorm.weight": "post_ffw_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.gate_up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
-}
-GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-               "lm_head.weight": "output.weight"}
 
 
 def _write_gguf(path, hf, model_type: str) -> str:
