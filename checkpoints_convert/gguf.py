@@ -158,8 +158,11 @@ def _gguf_hf_config(meta: _GGUFMetadata, tensor_names: set[str]) -> dict:
         if name in tensor_names:
             raise ValueError(f"unsupported GGUF tensor {name!r}: LongRoPE factors (Phi-3-128k); convert the HF "
                              "checkpoint instead")
+    window = None
     for name in meta.keys():
-        if name.startswith(f"{arch}.") and "sliding_window" in name:
+        if name == f"{arch}.attention.sliding_window" and arch == "phi3":
+            window = int(meta.get(name))  # ModelConfig accepts it where it never binds
+        elif name.startswith(f"{arch}.") and "sliding_window" in name:
             raise ValueError(f"unsupported GGUF key {name!r}: sliding-window attention is not implemented")
     if (key("expert_count", 0) or 0) > 0:
         raise ValueError(f"unsupported GGUF {arch}.expert_count={key('expert_count')}: mixture-of-experts")
@@ -219,6 +222,8 @@ def _gguf_hf_config(meta: _GGUFMetadata, tensor_names: set[str]) -> dict:
         "partial_rotary_factor": rope_dim / head_dim,
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
     }
+    if window is not None:
+        hf["sliding_window"] = window
     for field, gguf_key in (("bos_token_id", "bos_token_id"), ("pad_token_id", "padding_token_id")):
         value = meta.get(f"tokenizer.ggml.{gguf_key}")
         if value is not None:

@@ -117,6 +117,9 @@ def init_cache(config: ModelConfig, policy, batch_size: int, capacity: int, dtyp
     """An empty cache for `batch_size` sequences of up to `capacity` tokens each, laid out for `policy`. K/V
     are stored in `dtype` (default float32, what attention computes in; pass the parameters' dtype to match
     `generate`, or bfloat16 to halve the memory)."""
+    if config.sliding_window is not None and capacity > config.sliding_window:
+        raise ValueError(f"capacity {capacity} exceeds the model's sliding_window={config.sliding_window}: past it "
+                         "attention would be windowed, which is not implemented")
     dtype = jnp.float32 if dtype is None else jnp.dtype(dtype)
     B, K, H = batch_size, config.num_kv_heads, config.head_dim
     groups = []

@@ -96,6 +96,9 @@ class ModelConfig:
     post_norms: bool = False  # RMSNorm of the attention and MLP outputs before their residual adds
     rope_interleaved: bool = False  # RoPE rotates channel pairs (2i, 2i + 1), not halves
     partial_rotary_factor: float = 1.0  # RoPE rotates the first int(head_dim * this) channels
+    # HF's sliding_window where no sequence can outgrow it (>= max_position_embeddings: Phi-3-128k's 262,144), so
+    # attention is global; init_cache refuses a capacity past it. A window that binds is refused when read.
+    sliding_window: int | None = None
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -145,9 +148,12 @@ class ModelConfig:
             raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU) is implemented")
         if hf.get("mlp_bias"):
             raise ValueError("unsupported mlp_bias=True; MLP biases are not implemented")
-        if hf.get("use_sliding_window") or (model_type in ("mistral", "phi3") and hf.get("sliding_window")):
+        max_positions = int(hf.get("max_position_embeddings", 8192))
+        window = hf.get("sliding_window") if model_type in ("mistral", "phi3") else None
+        if hf.get("use_sliding_window") or (window and window < max_positions):
             raise ValueError(
-                f"unsupported sliding_window={hf.get('sliding_window')!r}; sliding-window attention is not implemented"
+                f"unsupported sliding_window={hf.get('sliding_window')!r}; sliding-window attention is not implemented "
+                f"(a window of at least max_position_embeddings={max_positions}, which never binds, is accepted)"
             )
         if hf.get("layer_types") and any(t != "full_attention" for t in hf["layer_types"]):
             raise ValueError(f"unsupported layer_types {sorted(set(hf['layer_types']))}; only full_attention")
@@ -175,7 +181,7 @@ class ModelConfig:
             rms_norm_eps=float(hf.get("rms_norm_eps", family.rms_norm_eps)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=bias(family.qkv_bias),
             o_bias=bias(family.o_bias),
@@ -183,6 +189,7 @@ class ModelConfig:
             post_norms=family.post_norms,
             rope_interleaved=family.rope_interleaved,
             partial_rotary_factor=_partial_rotary_factor(hf),
+            sliding_window=int(window) if window else None,
             model_type=model_type,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,

@@ -72,6 +72,22 @@ def test_unsupported_fields_are_refused_by_name(override, message):
         ModelConfig.from_hf_dict({**BASE, **override})
 
 
+def test_a_sliding_window_that_never_binds_is_accepted():
+    """Phi-3-mini-128k says sliding_window=262144 with max_position_embeddings=131072: attention is global for every
+    sequence the model takes, so it loads; a cache that could outgrow the window is refused."""
+    from clusterkv_jax import FullKV, init_cache
+
+    phi3 = ModelConfig.from_hf_dict({**BASE, "model_type": "phi3", "max_position_embeddings": 256,
+                                     "sliding_window": 512})
+    assert phi3.sliding_window == 512
+    assert init_cache(phi3, FullKV(), 1, 512).capacity == 512
+    with pytest.raises(ValueError, match="sliding_window=512"):
+        init_cache(phi3, FullKV(), 1, 640)
+    with pytest.raises(ValueError, match="at least max_position_embeddings=256"):
+        ModelConfig.from_hf_dict({**BASE, "model_type": "mistral", "max_position_embeddings": 256,
+                                  "sliding_window": 255})
+
+
 def test_missing_required_field_is_named():
     cfg = dict(BASE)
     del cfg["hidden_size"]

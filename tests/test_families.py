@@ -27,13 +27,14 @@ CASES = {
     "qwen3": ("qwen3", {}, 100),
     "glm": ("glm", {}, 100),  # partial (half) interleaved RoPE, q/k/v biases, fused gate/up
     "glm4": ("glm4", {}, 100),  # and norms after the attention and the MLP
-    "phi3": ("phi3", {"head_dim": None}, 100),  # fused qkv and gate/up
+    # Phi-3's sliding_window as the 128k models set it, where it never binds (>= max_position_embeddings)
+    "phi3": ("phi3", {"head_dim": None, "sliding_window": 256}, 100),  # fused qkv and gate/up
     "qwen2-yarn": ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                               "original_max_position_embeddings": 64}}, 100),
     "phi3-longrope-long": ("phi3", {"head_dim": None, "rope_scaling": LONGROPE,
-                                    "original_max_position_embeddings": 64}, 100),
+                                    "original_max_position_embeddings": 64, "sliding_window": 256}, 100),
     "phi3-longrope-short": ("phi3", {"head_dim": None, "rope_scaling": LONGROPE,
-                                     "original_max_position_embeddings": 64}, 24),
+                                     "original_max_position_embeddings": 64, "sliding_window": 256}, 24),
     "llama-dynamic": ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0},
                                 "max_position_embeddings": 64}, 100),
 }
@@ -162,6 +163,8 @@ def _write_gguf(path, hf, model_type: str) -> str:
     writer.add_rope_dimension_count(rotary)
     writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    if getattr(c, "sliding_window", None):
+        writer.add_sliding_window(c.sliding_window)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     byte_tokens = list(bytes_to_unicode().values())  # '!', '"', ...
@@ -192,7 +195,8 @@ def test_gguf_of_the_family_converts_to_the_same_params(name, tmp_path):
     hf.save_pretrained(tmp_path / "hf")
     from_hf = ckv.load_model(convert_hf(tmp_path / "hf", tmp_path / "from_hf", dtype="float32"))
     from_gguf = ckv.load_model(convert_gguf(_write_gguf(tmp_path / "m.gguf", hf, model_type), tmp_path / "from_gguf"))
-    fields = ("qkv_bias", "o_bias", "qk_norm", "post_norms", "rope_interleaved", "rotary_dim", "head_dim")
+    fields = ("qkv_bias", "o_bias", "qk_norm", "post_norms", "rope_interleaved", "rotary_dim", "head_dim",
+              "sliding_window")
     assert [getattr(from_gguf.config, f) for f in fields] == [getattr(from_hf.config, f) for f in fields]
     import jax
 
