@@ -5,8 +5,9 @@
 
 compiles, for an H100 (sm90; `--platform cuda`) or a TPU v5e core (`--platform tpu`), the decode step of full
 KV, ClusterKV and Quest, each with its KV in device memory and offloaded to pinned host memory, and ClusterKV's
-prefill, with the kernels `kernels="auto"` picks there (the Pallas Triton kernels, or their Mosaic versions),
-and prints one row per program: compile seconds, the Pallas kernels in it, device and host memory. This is the
+prefill, with the kernels `kernels="auto"` picks there (on a TPU the Mosaic kernels, on an H100 the Triton
+block indexing: `clusterkv_jax.kernels.AUTO_ON_GPU`), and ClusterKV's decode step with every Pallas kernel
+(`kernels="pallas"`), and prints one row per program: compile seconds, the Pallas kernels in it, device and host memory. This is the
 target's whole XLA pipeline (Triton and ptxas for the GPU, Mosaic for the TPU): what would fail to compile on
 the device fails here. `make aot-cuda` / `make aot-tpu` install what each needs into a venv of its own (jax's
 CUDA plugin of the same version, `jax-cuda12-pjrt` and ptxas from `nvidia-cuda-nvcc-cu12`; or libtpu via
@@ -206,6 +207,7 @@ def main(argv=None) -> int:
         "full": FullKV(), "full offloaded": FullKV(offload=True),
         f"clusterkv@{B}": ClusterKV(budget=B), f"clusterkv@{B} shared": ClusterKV(budget=B, gqa="shared"),
         f"clusterkv@{B} offloaded": ClusterKV(budget=B, offload=True),
+        f"clusterkv@{B} kernels=pallas": ClusterKV(budget=B, kernels="pallas"),
         f"quest@{B}": Quest(budget=B), f"quest@{B} offloaded": Quest(budget=B, offload=True),
     }
     cc = f" (compute capability {device.compute_capability})" if args.platform == "cuda" else ""

@@ -256,7 +256,7 @@ def attend_selected(policy, state, q: jax.Array, view, lengths: jax.Array, promp
     # The store rows can be read where they lie: a device store, a ring window (or none), no multi-device mesh
     # (the page table and the tiles address the whole store; under a mesh the rows are gathered per shard).
     whole_store = isinstance(view, DeviceLayer) and (not W or policy.ring_window) and multi_device_axes() is None
-    impl = kernels.resolve(policy.kernels)
+    impl = kernels.resolve(policy.kernels, "selected_attention")
     if whole_store and impl != "reference" and can_attend_in_place(view, selection, W):
         with jax.named_scope("attend"):
             return attend_in_place(q, view, selection, W, ring_mask, impl), view

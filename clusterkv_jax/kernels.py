@@ -7,8 +7,8 @@ Implementations:
 - "interpret": the same kernels in Pallas interpret mode (any device; slow, for tests);
 - "tpu": their Mosaic versions (TPUs).
 
-A policy asks for a mode (`MODES`); `resolve` turns it into an implementation for the device being traced for
-(`pallas_kernels.dispatch.compile_for` picks a device that is not attached). Every op below takes the resolved
+A policy asks for a mode (`MODES`); `resolve` turns it into an implementation of one op for the device being
+traced for (`pallas_kernels.dispatch.compile_for` picks a device that is not attached). Every op below takes the resolved
 implementation and, under a multi-device mesh, runs a kernel once per device on its shard of the leading
 (batch, head) dims (`ops.per_shard`): a custom call the SPMD partitioner cannot split stays local.
 """
@@ -33,25 +33,35 @@ from pallas_kernels import (
 )
 from pallas_kernels import dispatch
 
-#: What a policy may ask for: "auto" (the kernels where the device runs them, else the references), "pallas"
-#: (the kernels, or an error), "reference", "interpret".
+#: What a policy may ask for: "auto" (on a TPU the Mosaic kernels; on a CUDA GPU the faster of kernel and reference
+#: for each op, `AUTO_ON_GPU`; elsewhere the references), "pallas" (the kernels, or an error), "reference",
+#: "interpret".
 MODES = ("auto", "pallas", "reference", "interpret")
 #: What runs.
 IMPLEMENTATIONS = ("reference", "pallas", "interpret", "tpu")
+#: The ops, by the names `resolve` takes.
+OPS = ("centroid_update", "cluster_to_block_index", "selected_attention")
+#: What "auto" runs for each op on a CUDA GPU: the one that was faster on an H200 (`python -m pallas_kernels.bench`,
+#: RESULTS.md "First run on a GPU"): XLA's segment sum and gathered attention beat the centroid-update and
+#: page-table attention kernels; the block-indexing kernel is kept.
+AUTO_ON_GPU = {"centroid_update": "reference", "cluster_to_block_index": "pallas", "selected_attention": "reference"}
 
 
-def resolve(mode: str) -> str:
-    """The implementation `mode` means on the device being traced for: "tpu" on a TPU (unless "reference" or
-    "interpret" is asked), "pallas" on a CUDA GPU of compute capability >= 8.0, else "reference"; "pallas" on any
+def resolve(mode: str, op: str | None = None) -> str:
+    """The implementation `mode` means for `op` (one of `OPS`; None: the kernels' platform choice alone) on the
+    device being traced for: "tpu" on a TPU (unless "reference" or "interpret" is asked); on a CUDA GPU of compute
+    capability >= 8.0 "pallas", except that "auto" takes `AUTO_ON_GPU[op]`; else "reference"; "pallas" on any
     other device is a RuntimeError naming it."""
     if mode not in MODES:
         raise ValueError(f"kernel mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if op is not None and op not in OPS:
+        raise ValueError(f"kernel op must be one of {', '.join(OPS)}, got {op!r}")
     if mode in ("reference", "interpret"):
         return mode
     if dispatch.on_tpu():
         return "tpu"
     if dispatch.kernels_supported():
-        return "pallas"
+        return AUTO_ON_GPU[op] if mode == "auto" and op is not None else "pallas"
     if mode == "auto":
         return "reference"
     raise RuntimeError(

@@ -30,13 +30,14 @@ H head dim.
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.compute_on import compute_on
+from jax.experimental import compute_on as _compute_on
 
 from clusterkv_jax import axes
 from clusterkv_jax.ops import gather_rows, multi_device_axes, per_kv_head, row_index, scatter_entries, scatter_rows
@@ -82,11 +83,21 @@ def to_device(x):
     return x if host_memory_kind() is None else jax.device_put(x, _memory("device"))
 
 
+#: jax 0.11 made `compute_on` a function transformation, `compute_on(f, *, compute_type, out_memory_spaces)` (jax
+#: 0.10's `compute_on2`); jax 0.10's `compute_on(compute_type)` is a context manager whose results stay in host
+#: memory, as `out_memory_spaces=Host` says.
+_HOST_COMPUTE = (_compute_on.compute_on if "out_memory_spaces" in inspect.signature(_compute_on.compute_on).parameters
+                 else None)
+
+
 def _on_host(fn, *args):
-    """Runs fn on the host when a host memory kind exists (its operands already moved there)."""
+    """Runs fn on the host when a host memory kind exists (its operands already moved there); its results stay in
+    host memory."""
     if host_memory_kind() is None:
         return fn(*args)
-    with compute_on("device_host"):
+    if _HOST_COMPUTE is not None:
+        return _HOST_COMPUTE(fn, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)(*args)
+    with _compute_on.compute_on("device_host"):
         return fn(*args)
 
 

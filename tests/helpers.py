@@ -11,6 +11,20 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRIDE_AND_PREJUDICE = os.path.join(REPO_ROOT, "..", "shared", "data", "pride_and_prejudice.txt")
 
 
+def triton_interpret() -> bool:
+    """Whether tests run the Pallas Triton kernels in interpret mode: yes, except on a CUDA GPU that runs them,
+    where the compiled kernel is what users get (and interpret mode on XLA:GPU is not the kernel: XLA may keep
+    excess precision through the kernel's exact bfloat16 split of float32 keys)."""
+    from pallas_kernels import dispatch
+
+    return not dispatch.kernels_supported()
+
+
+def triton_mode() -> str:
+    """The kernel mode (`clusterkv_jax.kernels.MODES`) that runs the Triton kernels: see `triton_interpret`."""
+    return "interpret" if triton_interpret() else "pallas"
+
+
 # llama.cpp's names for HF tensors (its convert_hf_to_gguf.py), written out here as the reference the
 # converter's use of the `gguf` package's table must agree with.
 GGUF_NAMES = {

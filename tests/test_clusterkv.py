@@ -16,7 +16,7 @@ from clusterkv_jax.loading import Model
 from clusterkv_jax.model import init_params
 from clusterkv_jax.policies import FullKV, SnapKV
 from clusterkv_jax.policies.clusterkv import ClusterKV, rank_and_index
-from tests.helpers import generation_programs
+from tests.helpers import generation_programs, triton_mode
 
 CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
                   num_kv_heads=2, head_dim=16)
@@ -264,8 +264,8 @@ def test_rank_and_index_matches_brute_force(sizes, tokens, slots, block, seed, f
 
 def test_pallas_kernels_in_interpret_mode_match_the_reference_path(monkeypatch):
     """K-means (centroid_update), selection (cluster_to_block_index) and decode attention (selected_attention,
-    straight from the store) through the Pallas kernels, run in interpret mode on this CPU, give the same
-    clusters, layout and logits as the pure-jnp path."""
+    straight from the store) through the Pallas kernels, run in interpret mode on a CPU (compiled on a CUDA GPU),
+    give the same clusters, layout and logits as the pure-jnp path."""
     from clusterkv_jax import attend as attend_module
 
     tokens, lengths = TOKENS[:2], LENGTHS[:2]
@@ -273,7 +273,7 @@ def test_pallas_kernels_in_interpret_mode_match_the_reference_path(monkeypatch):
     in_place = []
     attend = attend_module.attend_in_place
     monkeypatch.setattr(attend_module, "attend_in_place", lambda *a, **k: in_place.append(1) or attend(*a, **k))
-    pal, pal_cache = run(ClusterKV(budget=40, kernels="interpret", **SMALL), tokens, lengths, steps=18)
+    pal, pal_cache = run(ClusterKV(budget=40, kernels=triton_mode(), **SMALL), tokens, lengths, steps=18)
     assert in_place, "the decode steps attend straight from the store (selected_attention)"
     for field in ("sizes", "block_start", "row_positions"):
         np.testing.assert_array_equal(np.asarray(getattr(pal_cache.policy_state, field)),
@@ -389,6 +389,7 @@ def test_attend_in_place_matches_numpy(per_query_head, chunk, W, kernel, monkeyp
     view = DeviceKV(k=jnp.asarray(keys), v=jnp.asarray(values)).layer(jnp.int32(layer))
     selection = Selection(starts=jnp.asarray(starts), mask=jnp.asarray(mask), chunk=chunk)
     assert attend.can_attend_in_place(view, selection, W)
+    kernel = triton_mode() if kernel == "interpret" else kernel  # compiled on a CUDA GPU
     got = np.asarray(attend.attend_in_place(jnp.asarray(q), view, selection, W, jnp.asarray(w_mask) if W else None,
                                             kernel))
     want = _selected_attention_numpy(q, keys[layer], values[layer], starts, mask, w_mask, W, per_query_head)

@@ -283,7 +283,7 @@ class ClusterKV(KVPolicy):
                 max_clusters=C0,
                 max_iters=self.max_iters,
                 init=self.init,
-                impl=kernels.resolve(self.kernels),
+                impl=kernels.resolve(self.kernels, "centroid_update"),
                 tol=self.kmeans_tol,
             )
         sizes = result.sizes  # [B, K, C0]
@@ -354,7 +354,7 @@ class ClusterKV(KVPolicy):
                 max_clusters=Cp,
                 max_iters=self.max_iters,
                 init=self.init,
-                impl=kernels.resolve(self.kernels),
+                impl=kernels.resolve(self.kernels, "centroid_update"),
                 tol=self.kmeans_tol,
             )
         sizes = result.sizes  # [B, K, Cp]
@@ -458,7 +458,8 @@ class ClusterKV(KVPolicy):
         # Usually ~wanted / tokens_per_cluster clusters fill it: rank twice that many first.
         first = 2 * -(-wanted // self.tokens_per_cluster) + 4
         blocks, rows = rank_and_index(scores, ranked(state.sizes), ranked(state.block_start), wanted,  # [B, K, g, *]
-                                      self.block_slots(wanted), bs, impl=kernels.resolve(self.kernels), first=first)
+                                      self.block_slots(wanted), bs, first=first,
+                                      impl=kernels.resolve(self.kernels, "cluster_to_block_index"))
         if self.block_refine > 1:
             blocks, rows = self._refine(state, q, blocks, rows, tokens, Mb)  # [B, K, g, Mb]
         offsets = jnp.arange(bs, dtype=jnp.int32)
@@ -481,7 +482,7 @@ class ClusterKV(KVPolicy):
         means = jnp.take_along_axis(state.block_means, blocks.reshape(B, K, g * M)[..., None], axis=-2)
         block_scores = jnp.einsum("BKgMH,BKgH->BKgM", means.reshape(B, K, g, M, H), qg)
         return rank_and_index(block_scores, rows, blocks, tokens, slots, self.block_size,
-                              impl=kernels.resolve(self.kernels))
+                              impl=kernels.resolve(self.kernels, "cluster_to_block_index"))
 
     def selection_positions(self, state: ClusterIndex, selection: Selection):
         B, h, n = selection.starts.shape
