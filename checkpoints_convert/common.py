@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -286,8 +287,7 @@ def _check_replaceable(dst: str, overwrite: bool) -> None:
         return
     if not overwrite:
         raise FileExistsError(f"destination {dst!r} already exists; pass overwrite=True (--overwrite) to replace it")
-    empty_dir = os.path.isdir(dst) and not os.path.islink(dst) and not os.listdir(dst)
-    if not (empty_dir or is_converted_checkpoint(dst)):
+    if not _replaceable(dst):
         raise FileExistsError(
             f"destination {dst!r} exists and is not a converted checkpoint (no config.json with a 'clusterkv' "
             "entry): --overwrite only replaces an earlier conversion; remove it yourself or choose another path"
@@ -327,14 +327,22 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
+#: Signals that end a conversion: each raises (where it still has its default action) so the staging is deleted.
+_TERMINATING = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, name))
+
+
 class _Terminated(SystemExit):
-    """What SIGTERM raises inside `_sigterm_raises`."""
+    """What a terminating signal (`_TERMINATING`) raises inside `_termination_raises`; exit status 128 + signum."""
+
+    def __init__(self, signum: int):
+        super().__init__(128 + signum)
+        self.signum = signum
 
 
 @contextlib.contextmanager
 def _interrupts_redelivered():
-    """A Ctrl-C or SIGTERM whose exception Python cannot raise, because it landed in a callback (JAX's garbage
-    collection callback, say: its exceptions are 'ignored' and printed), is delivered again instead, so it
+    """A Ctrl-C or terminating signal whose exception Python cannot raise, because it landed in a callback (JAX's
+    garbage collection callback, say: its exceptions are 'ignored' and printed), is delivered again instead, so it
     stops the program once Python is back in ordinary code, with no traceback printed."""
     previous = sys.unraisablehook
 
@@ -347,7 +355,7 @@ def _interrupts_redelivered():
 
     def hook(unraisable):
         if isinstance(unraisable.exc_value, _Terminated):
-            again(signal.SIGTERM)
+            again(unraisable.exc_value.signum)
         elif isinstance(unraisable.exc_value, KeyboardInterrupt):
             again(signal.SIGINT)
         else:
@@ -362,65 +370,123 @@ def _interrupts_redelivered():
 
 
 @contextlib.contextmanager
-def _sigterm_raises():
-    """SIGTERM raises SystemExit (instead of ending the process on the spot), so cleanup code runs. Only
-    where SIGTERM still has its default action (a caller's own handler is left alone), from the main thread.
-    Either interrupt landing in a callback that cannot raise is delivered again (`_interrupts_redelivered`)."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
-        with _interrupts_redelivered():
-            yield
-        return
+def _termination_raises():
+    """SIGTERM, SIGHUP and SIGQUIT raise SystemExit (instead of ending the process on the spot), so cleanup code
+    runs. Only signals that still have their default action (a caller's own handler is left alone), from the main
+    thread. Any interrupt landing in a callback that cannot raise is delivered again (`_interrupts_redelivered`)."""
+    main = threading.current_thread() is threading.main_thread()
+    ours = [s for s in _TERMINATING if main and signal.getsignal(s) == signal.SIG_DFL]
 
     def stop(signum, frame):
-        raise _Terminated(128 + signum)
+        raise _Terminated(signum)
 
-    signal.signal(signal.SIGTERM, stop)
+    for s in ours:
+        signal.signal(s, stop)
     try:
         with _interrupts_redelivered():
             yield
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for s in ours:
+            signal.signal(s, signal.SIG_DFL)
 
 
 @contextlib.contextmanager
 def staging_dir(dst: str, overwrite: bool, src: str | None = None):
     """Yields an empty temporary sibling of `dst`, renamed to `dst` when the block succeeds, deleted if it fails
-    or is interrupted (an exception, Ctrl-C, SIGTERM). Refuses a `dst` that overlaps `src`, or that exists and
-    is not an earlier conversion; first deletes staging directories that earlier, killed runs left."""
+    or is interrupted (an exception, Ctrl-C, SIGTERM, SIGHUP, SIGQUIT). Refuses a `dst` that overlaps `src`, or
+    that exists and is not an earlier conversion; first deletes staging directories that earlier, killed runs
+    left. Publishing checks again: it never replaces what appeared at `dst` meanwhile (`_publish`)."""
     if src is not None:
         check_destination(src, dst)
     _check_replaceable(dst, overwrite)
     parent = os.path.dirname(dst)
     os.makedirs(parent, exist_ok=True)
     sweep_stale_staging(dst)
-    with _sigterm_raises():
+    with _termination_raises():
         staging = tempfile.mkdtemp(prefix=f"{_staging_prefix(dst)}{os.getpid()}-", dir=parent)
         try:
             # mkdtemp makes the directory private (0700); a checkpoint should be readable like any other output.
             os.chmod(staging, 0o755)
             yield staging
-            _publish(staging, dst)
+            _publish(staging, dst, overwrite)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
 
 
-def _publish(staging: str, dst: str) -> None:
-    """Moves `staging` to `dst`, replacing an existing `dst` only once the new one is in place."""
-    if not os.path.lexists(dst):
-        os.rename(staging, dst)
+_RENAME_NOREPLACE = 1  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def _rename_noreplace(src: str, dst: str) -> None:
+    """Renames src to dst, failing with FileExistsError if dst exists, atomically: Linux's renameat2 with
+    RENAME_NOREPLACE where the C library and the file system have it; elsewhere dst is first claimed by creating
+    it as an empty directory (atomic too), which the rename then replaces (rename replaces only an empty one)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        renameat2 = None
+    if renameat2 is not None:
+        if renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err == errno.EEXIST:
+            raise FileExistsError(err, os.strerror(err), dst)
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # those three: no such flag here
+            raise OSError(err, os.strerror(err), dst)
+    os.mkdir(dst)  # FileExistsError if anything is there
+    try:
+        os.rename(src, dst)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.rmdir(dst)
+        raise
+
+
+def _publish(staging: str, dst: str, overwrite: bool) -> None:
+    """Moves `staging` to `dst`. What is at `dst` now is replaced only with `overwrite` and only if it is an
+    earlier conversion or an empty directory (checked on what was moved aside, so nothing that appeared since the
+    first check is replaced); the old one is deleted once the new one is in place. A `dst` that appeared while the
+    conversion ran, without `overwrite`, is a FileExistsError and stays as it is."""
+    appeared = (f"destination {dst!r} appeared while the conversion ran; it was left as it is and nothing was "
+                "written (pass --overwrite to replace an earlier conversion)")
+    if not os.path.lexists(dst) or not overwrite:
+        try:
+            _rename_noreplace(staging, dst)
+        except FileExistsError:
+            raise FileExistsError(appeared) from None
         return
     old = staging + ".old"
     os.rename(dst, old)
     try:
-        os.rename(staging, dst)
-    except BaseException:
-        os.rename(old, dst)
+        _check_replaceable_at(old, dst)
+        _rename_noreplace(staging, dst)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            _rename_noreplace(old, dst)  # back where it was, unless something took its place meanwhile
+        if os.path.lexists(old):
+            raise FileExistsError(f"{e}; what was at {dst!r} is now at {old!r}") from e
         raise
     if os.path.isdir(old) and not os.path.islink(old):
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.remove(old)
+
+
+def _replaceable(path: str) -> bool:
+    """What --overwrite may replace: an earlier conversion or an empty directory."""
+    empty_dir = os.path.isdir(path) and not os.path.islink(path) and not os.listdir(path)
+    return empty_dir or is_converted_checkpoint(path)
+
+
+def _check_replaceable_at(path: str, dst: str) -> None:
+    """`_check_replaceable` of what was at `dst`, now at `path`."""
+    if not _replaceable(path):
+        raise FileExistsError(f"destination {dst!r} changed while the conversion ran and now holds something that is "
+                              "not a converted checkpoint; it was left as it is and nothing was written")
 
 
 def write_json(path: str, obj: Any) -> None:

@@ -13,6 +13,7 @@ import threading
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -24,8 +25,8 @@ def save_params(path: str | os.PathLike, params: Any) -> str:
     path = os.path.abspath(os.fspath(path))
     if os.path.lexists(path):
         raise FileExistsError(f"refusing to overwrite existing params directory {path!r}")
-    # Orbax writes from background threads: stopped half way by Ctrl-C or SIGTERM, they would go on writing
-    # into a directory the caller is deleting. So the signals wait until the save has finished (seconds).
+    # Orbax writes from background threads: stopped half way by Ctrl-C or SIGTERM (SIGHUP, SIGQUIT), they would go
+    # on writing into a directory the caller is deleting. So the signals wait until the save has finished (seconds).
     with _signals_held(), ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(path, params)
         # Saving is asynchronous; the checkpoint is only complete once this returns.
@@ -35,13 +36,13 @@ def save_params(path: str | os.PathLike, params: Any) -> str:
 
 @contextlib.contextmanager
 def _signals_held():
-    """SIGINT and SIGTERM arriving inside the block are delivered when it ends (to the handlers in place
-    before it), so whatever the block starts has finished first. Main thread only (elsewhere: no-op)."""
+    """SIGINT, SIGTERM, SIGHUP and SIGQUIT arriving inside the block are delivered when it ends (to the handlers in
+    place before it), so whatever the block starts has finished first. Main thread only (elsewhere: no-op)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     received: list[int] = []
-    held = (signal.SIGINT, signal.SIGTERM)
+    held = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, name))
     previous = {signum: signal.signal(signum, lambda signum, frame: received.append(signum)) for signum in held}
     try:
         yield
@@ -94,8 +95,24 @@ def load_params(
         first = text.splitlines()[0][:300] if text else type(error).__name__
     else:
         remove_silencers()
+        check_finite(params, path)
         return params
     raise ValueError(f"params checkpoint {path!r} is truncated or corrupt ({first}); convert the model again")
+
+
+def check_finite(params: Any, where: str) -> None:
+    """Raises ValueError naming the first parameter that holds NaN or inf (damaged data decodes to such values,
+    and the model then emits token 0 forever). One reduction per tensor, on the device holding it."""
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    finite = jax.jit(lambda xs: [jnp.all(jnp.isfinite(x)) for x in xs])(
+        [x for _, x in leaves if not isinstance(x, np.ndarray)])
+    flags = iter(finite)
+    for path, x in leaves:
+        ok = bool(np.isfinite(x).all()) if isinstance(x, np.ndarray) else bool(next(flags))
+        if not ok:
+            name = jax.tree_util.keystr(path, simple=True, separator="/")
+            raise ValueError(f"params checkpoint {where!r}: parameter {name!r} holds NaN or inf; the checkpoint is "
+                             "damaged (convert the model again) or was saved from a diverged model")
 
 
 def _silence_failed_restore_echoes() -> Callable[[], None]:

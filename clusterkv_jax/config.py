@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import os
 from typing import Any
 
@@ -105,6 +106,16 @@ class ModelConfig:
     pad_token_id: int | None = None
 
     def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position_embeddings"):
+            _check_size(getattr(self, name), name)
+        if self.num_layers > MAX_LAYERS:
+            raise ValueError(f"num_layers={self.num_layers} is past {MAX_LAYERS}, more than any model has; the "
+                             "config is wrong")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a positive finite number, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
@@ -143,6 +154,10 @@ class ModelConfig:
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             if key not in hf:
                 raise ValueError(f"config.json lacks required field {key!r}")
+            _check_size(hf[key], key)
+        for key in ("num_key_value_heads", "head_dim", "max_position_embeddings"):
+            if hf.get(key) is not None:
+                _check_size(hf[key], key)
         act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
         if act not in ("silu", "swish"):
             raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU) is implemented")
@@ -178,7 +193,7 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(hf.get("rms_norm_eps", family.rms_norm_eps)),
+            rms_norm_eps=_number(hf.get("rms_norm_eps", family.rms_norm_eps), "rms_norm_eps"),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_positions,
@@ -233,11 +248,13 @@ def _parse_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling]:
     """Reads RoPE settings from either transformers<5 (`rope_theta`, `rope_scaling`) or >=5 (`rope_parameters`)."""
     params = hf.get("rope_parameters")
     if isinstance(params, dict) and "rope_theta" in params:
-        theta = float(params["rope_theta"])
+        theta = _number(params["rope_theta"], "rope_theta")
         scaling = params
     else:
-        theta = float(hf.get("rope_theta", 10000.0))
+        theta = _number(hf.get("rope_theta", 10000.0), "rope_theta")
         scaling = hf.get("rope_scaling") or {}
+    if theta <= 0:
+        raise ValueError(f"rope_theta must be positive, got {theta!r}")
     rope_type = scaling.get("rope_type", scaling.get("type", "default")) or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
@@ -291,6 +308,18 @@ def _parse_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling]:
         attention_factor=_number(attention_factor, "attention_factor"),
         short_factor=tuple(_number(f, "short_factor") for f in short),
         long_factor=tuple(_number(f, "long_factor") for f in long))
+
+
+#: More layers than any model has: a config past it is wrong (10**9 once made the converter build 8 GB of names).
+MAX_LAYERS = 10_000
+#: Sizes index int32 arrays.
+MAX_SIZE = 2**31 - 1
+
+
+def _check_size(value: Any, name: str) -> None:
+    """A size field: an integer (a JSON integer, not a bool, float or string) in [1, MAX_SIZE]."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= value <= MAX_SIZE:
+        raise ValueError(f"{name} must be an integer from 1 to {MAX_SIZE}, got {value!r}")
 
 
 def _number(value: Any, name: str) -> float:

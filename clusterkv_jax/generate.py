@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import numbers
 import time
 from typing import Any, Sequence
 
@@ -114,6 +115,11 @@ class Sampling:
 
     @classmethod
     def make(cls, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> "Sampling":
+        for name, value in (("temperature", temperature), ("top_p", top_p)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"{name} must be a number, got {value!r}")
+        if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
+            raise TypeError(f"top_k must be an int (0: no top-k filter), got {top_k!r}")
         if not temperature >= 0:  # NaN too
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         if top_k < 0:
@@ -169,6 +175,9 @@ class DecodeLoop:
     done: jax.Array  # [B] bool the sequence produced an EOS
     counts: jax.Array  # [B] int32 tokens generated per sequence, its EOS included
     key: jax.Array  # PRNG key for the next sample
+    # [] int32 the first generated token whose logits held NaN or inf (0: the prefill's), -1 while none did;
+    # the loop stops there, and `generate` raises instead of returning tokens sampled from them.
+    nonfinite: jax.Array
 
 
 def _start(params, tokens, lengths, sampling: Sampling, key, eos_ids, pad_id, *, config: ModelConfig,
@@ -184,7 +193,14 @@ def _start(params, tokens, lengths, sampling: Sampling, key, eos_ids, pad_id, *,
     first = sample_tokens(logits, sampling, sub)
     return DecodeLoop(step=jnp.int32(1), last=first, cache=pin(cache),
                       out=jnp.full((B, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first),
-                      done=jnp.isin(first, eos_ids), counts=jnp.ones((B,), jnp.int32), key=key)
+                      done=jnp.isin(first, eos_ids), counts=jnp.ones((B,), jnp.int32), key=key,
+                      nonfinite=jnp.where(_all_finite(logits), -1, 0).astype(jnp.int32))
+
+
+def _all_finite(logits: jax.Array, live: jax.Array | None = None) -> jax.Array:
+    """Whether the logits [B, V] of every live sequence (default: all) are finite."""
+    finite = jnp.all(jnp.isfinite(logits), axis=-1)
+    return jnp.all(finite if live is None else finite | ~live)
 
 
 def _decode(params, loop: DecodeLoop, sampling: Sampling, eos_ids, pad_id, *, config: ModelConfig,
@@ -193,16 +209,17 @@ def _decode(params, loop: DecodeLoop, sampling: Sampling, eos_ids, pad_id, *, co
     pin = functools.partial(_pin_cache, config=config, policy=policy, sharding=sharding)
 
     def keep_going(loop: DecodeLoop):
-        return (loop.step < max_new_tokens) & ~jnp.all(loop.done)
+        return (loop.step < max_new_tokens) & ~jnp.all(loop.done) & (loop.nonfinite < 0)
 
     def step_fn(loop: DecodeLoop) -> DecodeLoop:
         logits, cache = forward_decode(params, config, policy, loop.last, loop.cache)
         key, sub = jax.random.split(loop.key)
         nxt = jnp.where(loop.done, pad_id, sample_tokens(logits, sampling, sub))
+        nonfinite = jnp.where(_all_finite(logits, ~loop.done), loop.nonfinite, loop.step)
         return DecodeLoop(step=loop.step + 1, last=nxt, cache=pin(cache),
                           out=jax.lax.dynamic_update_slice_in_dim(loop.out, nxt[:, None], loop.step, axis=1),
                           done=loop.done | jnp.isin(nxt, eos_ids), counts=loop.counts + (~loop.done).astype(jnp.int32),
-                          key=key)
+                          key=key, nonfinite=nonfinite)
 
     loop = jax.lax.while_loop(keep_going, step_fn, loop)
     return loop.replace(cache=pin(loop.cache))
@@ -371,7 +388,11 @@ def generate(
         raise TypeError(f"policy must be a KVPolicy (FullKV(), ClusterKV(...), ...), got {type(policy).__name__}")
     config: ModelConfig = model.config
     ids, single = _as_token_batch(model, prompts, chat, add_special_tokens)
-    limit = max_length or config.max_position_embeddings
+    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, numbers.Integral)
+                                   or max_length < 1):
+        raise ValueError(f"max_length must be a positive int (prompt + new tokens) or None (the model's "
+                         f"max_position_embeddings), got {max_length!r}")
+    limit = config.max_position_embeddings if max_length is None else max_length
     longest = max(len(p) for p in ids)
     if longest + max_new_tokens > limit:
         raise ValueError(
@@ -423,6 +444,12 @@ def generate(
                                  policy=policy, max_new_tokens=max_new_tokens, sharding=rules)
         out, counts, cache = np.asarray(loop.out), np.asarray(loop.counts), loop.cache
         end = time.perf_counter()
+    nonfinite = int(loop.nonfinite)
+    if nonfinite >= 0:
+        where = "the prompt's last position" if nonfinite == 0 else f"generated token {nonfinite}"
+        raise FloatingPointError(
+            f"the model's logits hold NaN or inf at {where}: its parameters or the computation are not finite "
+            "(a damaged checkpoint, or float16 overflow); no text was generated from them")
     compiled = compiles[0] > 0
     generated = [out[i, : counts[i]].tolist() for i in range(n_prompts)]
     texts = None

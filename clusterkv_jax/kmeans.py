@@ -205,6 +205,10 @@ def cosine_kmeans(
     """Cosine K-means of each problem's valid keys into num_clusters[p] clusters (slots beyond stay empty),
     iterated until at most a fraction `tol` of each problem's keys moves (see `kmeans_from_directions`).
     A key holding a NaN or inf counts as masked (label C, in no cluster)."""
+    if isinstance(max_clusters, bool) or not isinstance(max_clusters, int) or max_clusters < 1:
+        raise ValueError(f"max_clusters must be a positive int, got {max_clusters!r}")
+    if isinstance(max_iters, bool) or not isinstance(max_iters, int) or max_iters < 1:
+        raise ValueError(f"max_iters must be a positive int, got {max_iters!r}")
     keys, valid = _finite_keys(keys, valid)
     if init == "random":
         directions = init_random(keys, valid, max_clusters, rngs)

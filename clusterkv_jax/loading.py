@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from clusterkv_jax.checkpoint import load_params
 from clusterkv_jax.config import ModelConfig
@@ -44,12 +45,33 @@ def check_model_dir(path: str) -> None:
         raise FileNotFoundError(f"model directory {path!r} does not exist")
 
 
+#: What the parameters may be cast to.
+PARAM_DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def _param_dtype(dtype: Any):
+    """A floating parameter dtype this JAX can hold: float64 only with x64 enabled (else JAX would silently make
+    it float32)."""
+    try:
+        resolved = jnp.dtype(dtype)
+    except TypeError:
+        resolved = None
+    if resolved is None or resolved.name not in PARAM_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(PARAM_DTYPES)}, got {dtype!r}")
+    if resolved == jnp.float64 and not jax.config.read("jax_enable_x64"):
+        raise ValueError("dtype float64 needs 64-bit JAX (jax.config.update('jax_enable_x64', True) or "
+                         "JAX_ENABLE_X64=1 before JAX starts); without it the parameters would be float32")
+    return resolved
+
+
 def load_model(path: str | os.PathLike, dtype: Any = None) -> Model:
     """Loads a directory written by `python -m checkpoints_convert` (config.json, tokenizer, params/).
 
     `dtype` (e.g. "float32", "bfloat16") casts the parameters; by default they keep the stored dtype.
     """
     path = os.fspath(path)
+    if dtype is not None:
+        dtype = _param_dtype(dtype)
     check_model_dir(path)
     config = ModelConfig.from_dir(path)
     if not os.path.isdir(os.path.join(path, "params")):

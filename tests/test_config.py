@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
+import dataclasses
 import json
+import os
 
 import numpy as np
 import pytest
@@ -86,6 +86,26 @@ def test_a_sliding_window_that_never_binds_is_accepted():
     with pytest.raises(ValueError, match="at least max_position_embeddings=256"):
         ModelConfig.from_hf_dict({**BASE, "model_type": "mistral", "max_position_embeddings": 256,
                                   "sliding_window": 255})
+
+
+@pytest.mark.parametrize("field, value", [
+    ("vocab_size", -1), ("num_attention_heads", 0), ("intermediate_size", -5), ("num_hidden_layers", 30.5),
+    ("num_hidden_layers", "30"), ("num_hidden_layers", True), ("num_hidden_layers", 10**9),
+    ("max_position_embeddings", 0), ("num_key_value_heads", 0), ("head_dim", 2**40), ("rms_norm_eps", "abc"),
+    ("rms_norm_eps", -1e-6), ("rope_theta", float("nan")), ("rope_theta", -1), ("rope_theta", "1e4x"),
+])
+def test_bad_values_are_refused_naming_the_field(field, value):
+    """Each once loaded as a shape mismatch, a Python error or silent garbage (rope_theta NaN: token 0 forever);
+    now a ValueError naming the field, before anything is allocated or read."""
+    with pytest.raises(ValueError, match=field if field != "num_hidden_layers" or value != 10**9 else "num_layers"):
+        ModelConfig.from_hf_dict({**BASE, field: value})
+
+
+def test_direct_construction_checks_sizes_and_numbers():
+    good = ModelConfig.from_hf_dict(BASE)
+    for field, value in [("num_layers", 0), ("head_dim", 2.5), ("rope_theta", float("inf")), ("rms_norm_eps", 0)]:
+        with pytest.raises(ValueError, match=field):
+            dataclasses.replace(good, **{field: value})
 
 
 def test_missing_required_field_is_named():

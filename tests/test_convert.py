@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 
 import ml_dtypes
 import numpy as np
@@ -581,6 +582,82 @@ def larger_hf_dir(tmp_path_factory) -> str:
     return write_tiny_hf(tmp_path_factory.mktemp("larger") / "src", cfg=cfg)
 
 
+@pytest.fixture(params=["renameat2", "mkdir-then-rename"])
+def publishing(request, monkeypatch):
+    """Publishing with Linux's renameat2(RENAME_NOREPLACE), and without it (the C library lookup fails)."""
+    if request.param == "mkdir-then-rename":
+        import ctypes
+
+        def no_libc(*args, **kwargs):
+            raise OSError("no C library here")
+
+        monkeypatch.setattr(ctypes, "CDLL", no_libc)
+    return request.param
+
+
+def _staged_checkpoint(staging):
+    with open(os.path.join(staging, "config.json"), "w") as f:
+        json.dump({"clusterkv": {"format": 1}}, f)
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_destination_that_appears_during_the_conversion_is_not_replaced(tmp_path, publishing, overwrite):
+    """A user's directory created at DST while the conversion ran stays as it was (with or without --overwrite:
+    it is not an earlier conversion), and the conversion fails saying so, leaving nothing else behind."""
+    from checkpoints_convert.common import staging_dir
+
+    dst = tmp_path / "out"
+    with pytest.raises(FileExistsError, match="while the conversion ran"):
+        with staging_dir(str(dst), overwrite=overwrite) as staging:
+            _staged_checkpoint(staging)
+            dst.mkdir()
+            (dst / "mine.txt").write_text("user data")
+    assert (dst / "mine.txt").read_text() == "user data" and os.listdir(dst) == ["mine.txt"]
+    assert os.listdir(tmp_path) == ["out"]
+
+
+def test_two_conversions_racing_to_one_destination(tmp_path, publishing):
+    """Both start while DST is free; the first to finish publishes, the second fails and removes its staging."""
+    from checkpoints_convert.common import is_converted_checkpoint, staging_dir
+
+    dst = tmp_path / "out"
+    with pytest.raises(FileExistsError, match="appeared while the conversion ran"):
+        with staging_dir(str(dst), overwrite=False) as first:
+            _staged_checkpoint(first)
+            with staging_dir(str(dst), overwrite=False) as second:
+                _staged_checkpoint(second)
+                (tmp_path / "marker").write_text("second")
+                os.rename(tmp_path / "marker", os.path.join(second, "marker"))
+    assert is_converted_checkpoint(str(dst)) and (dst / "marker").read_text() == "second"
+    assert os.listdir(tmp_path) == ["out"]
+
+
+def test_overwrite_does_not_replace_what_took_an_earlier_conversions_place(tmp_path, publishing):
+    """DST was an earlier conversion when the conversion started (so --overwrite may replace it), and a user's
+    directory took its place meanwhile: that directory is kept, not replaced."""
+    from checkpoints_convert.common import is_converted_checkpoint, staging_dir
+
+    dst = tmp_path / "out"
+    dst.mkdir()
+    _staged_checkpoint(str(dst))
+    with pytest.raises(FileExistsError, match="not a converted checkpoint"):
+        with staging_dir(str(dst), overwrite=True) as staging:
+            _staged_checkpoint(staging)
+            shutil.rmtree(dst)
+            dst.mkdir()
+            (dst / "mine.txt").write_text("user data")
+    assert (dst / "mine.txt").read_text() == "user data"
+    assert os.listdir(tmp_path) == ["out"]
+    # An earlier conversion still there at the end is replaced.
+    shutil.rmtree(dst)
+    dst.mkdir()
+    _staged_checkpoint(str(dst))
+    with staging_dir(str(dst), overwrite=True) as staging:
+        _staged_checkpoint(staging)
+        open(os.path.join(staging, "new"), "w").close()
+    assert is_converted_checkpoint(str(dst)) and os.path.exists(dst / "new") and os.listdir(tmp_path) == ["out"]
+
+
 @pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
 def test_interrupt_inside_a_gc_callback_still_stops_the_conversion(signame, tmp_path, capfd):
     """A signal whose handler runs inside a garbage-collection callback (where JAX keeps one) raises there, where
@@ -625,6 +702,8 @@ def test_interrupt_inside_a_gc_callback_still_stops_the_conversion(signame, tmp_
     ("SIGINT", "saving", 0.4),
     ("SIGTERM", "saving", 0.2),
     ("SIGTERM", "saving", 1.0),
+    ("SIGHUP", "saving", 0.2),
+    ("SIGQUIT", "reading", 0.0),
 ])
 def test_interrupted_conversion_leaves_nothing_behind(larger_hf_dir, tmp_path, signum, stage, delay):
     """The CLI in a subprocess, interrupted while reading tensors (the staging directory exists) or `delay` s
@@ -670,8 +749,8 @@ def test_interrupted_conversion_leaves_nothing_behind(larger_hf_dir, tmp_path, s
         assert os.listdir(tmp_path) == ["out"]
         load_params(out, as_numpy=True)
     else:
-        assert proc.returncode == {"SIGINT": 130, "SIGTERM": 128 + signal.SIGTERM}[signum], (proc.returncode, err)
-        assert err.rstrip().endswith("interrupted: nothing was written") or signum == "SIGTERM", err
+        assert proc.returncode == 128 + getattr(signal, signum), (proc.returncode, err)
+        assert err.rstrip().endswith("interrupted: nothing was written") or signum != "SIGINT", err
         assert os.listdir(tmp_path) == [], os.listdir(tmp_path)
     time.sleep(1.0)  # nothing still writing in the background recreates anything
     assert set(os.listdir(tmp_path)) <= {"out"}

@@ -83,6 +83,122 @@ def test_unwritable_out_is_refused_before_any_work(tiny_model, tmp_path):
     assert "recall" not in proc.stdout  # nothing was computed first
 
 
+def test_outputs_never_write_over_inputs_or_into_directories(smollm2_converted_dir, tiny_model, tmp_path):
+    """`--json` naming the input text once overwrote it with the results (exit 0); `--json` naming a directory ran
+    the whole evaluation, then failed writing nothing; `--out` inside the checkpoint would write into it. Each is
+    refused before any work, and the input is unchanged (a run that would otherwise succeed: SmolLM2)."""
+    from tests.helpers import long_text
+
+    text = tmp_path / "book.txt"
+    original = long_text()[:20_000]
+    text.write_text(original, encoding="utf-8")
+    base = ["eval", "recall", "--model", smollm2_converted_dir, "--text", str(text), "--context", "256", "--steps",
+            "2", "--budgets", "64", "--policies", "streaming"]
+    proc = run_cli(*base, "--json", str(text))
+    assert_one_line_error(proc, "--json", "book.txt", "would write over the input --text")
+    assert text.read_text(encoding="utf-8") == original and "recall" not in proc.stdout
+    proc = run_cli(*base, "--json", str(tmp_path))
+    assert_one_line_error(proc, "--json", "is a directory")
+    assert "recall" not in proc.stdout
+    tiny_text = os.path.join(os.path.dirname(tiny_model), "text.txt")
+    proc = run_cli("eval", "recall", "--model", tiny_model, "--text", tiny_text, "--context", "64", "--steps", "2",
+                   "--budgets", "16", "--out", os.path.join(tiny_model, "results"))
+    assert_one_line_error(proc, "--out", "would write over the input --model")
+    assert not os.path.exists(os.path.join(tiny_model, "results"))
+    assert sorted(os.listdir(tmp_path)) == ["book.txt"]
+    # The same run with the results elsewhere works (what the refusals above stopped was a real run).
+    proc = run_cli(*base, "--json", str(tmp_path / "recall.json"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "streaming" in json.loads((tmp_path / "recall.json").read_text())["token_recall"]
+
+
+def test_non_finite_parameters_are_named_when_loading(tmp_path):
+    """A checkpoint holding NaN or inf (damaged data decodes to such values) loaded, and generate returned token 0
+    forever (exit 0). Loading now names the tensor; the CLI says it in one line."""
+    from clusterkv_jax.checkpoint import load_params, save_params
+    from tests.test_convert import tiny_tensors
+
+    params = {"embed": np.ones((4, 3), np.float32), "layers": {"q": np.ones((2, 3), np.float32)}}
+    params["layers"]["q"][1, 2] = np.inf
+    save_params(tmp_path / "p", params)
+    for as_numpy in (False, True):
+        with pytest.raises(ValueError, match="parameter 'layers/q' holds NaN or inf"):
+            load_params(tmp_path / "p", as_numpy=as_numpy)
+    tensors = tiny_tensors(TINY_CONFIG)
+    tensors["model.layers.1.mlp.down_proj.weight"][3, 5] = np.nan
+    model = convert_hf(write_tiny_hf(tmp_path / "src", tensors=tensors), tmp_path / "model", dtype="float32")
+    proc = run_cli("generate", "--model", model, "--prompt", "hi", "--max-new-tokens", "4")
+    assert_one_line_error(proc, "layers/down", "holds NaN or inf")
+
+
+def test_generation_that_meets_non_finite_logits_stops_with_an_error():
+    """Finite parameters whose logits are not finite for some input (here: one token's embedding is NaN) stop the
+    generation at that token with an error naming where, instead of returning tokens sampled from NaN."""
+    import jax
+
+    from clusterkv_jax import FullKV, generate
+    from clusterkv_jax.config import ModelConfig
+    from clusterkv_jax.loading import Model
+    from clusterkv_jax.model import init_params
+
+    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                         num_kv_heads=1, head_dim=16, max_position_embeddings=64)
+    params = init_params(config, jax.random.PRNGKey(0))
+    prompt = [1, 2, 3, 4]
+    first = generate(Model(config, params, None), [prompt], 3, FullKV(), stop_at_eos=False).tokens[0]
+    assert first[0] not in prompt  # the first generated token, fed to decode step 1
+    bad = dict(params, embed=params["embed"].at[first[0]].set(np.nan))
+    with pytest.raises(FloatingPointError, match="NaN or inf at generated token 1"):
+        generate(Model(config, bad, None), [prompt], 3, FullKV(), stop_at_eos=False)
+    bad = dict(params, final_norm=params["final_norm"].at[0].set(np.inf))
+    with pytest.raises(FloatingPointError, match="at the prompt's last position"):
+        generate(Model(config, bad, None), [prompt], 3, FullKV(), stop_at_eos=False)
+
+
+def test_library_arguments_of_the_wrong_kind_are_refused_by_name(tiny_model):
+    """Each was accepted and quietly meant something else: top_k=2.5 (truncated), max_length=0 (the default),
+    max_length=-1 ("a capacity of -1 positions"), dtype="float64" without x64 (float32), dtype="int8" (failed
+    later, in generate), cosine_kmeans(max_clusters=0) (ran)."""
+    import jax
+    import jax.numpy as jnp
+
+    from clusterkv_jax import generate, load_model
+    from clusterkv_jax.kmeans import cosine_kmeans, problem_keys
+
+    model = load_model(tiny_model)
+    with pytest.raises(TypeError, match="top_k must be an int"):
+        generate(model, [1, 2, 3], 2, temperature=1.0, top_k=2.5)
+    for bad in (0, -1, 2.5):
+        with pytest.raises(ValueError, match="max_length must be a positive int"):
+            generate(model, [1, 2, 3], 2, max_length=bad)
+    assert len(generate(model, [1, 2, 3], 2, max_length=5, stop_at_eos=False).tokens[0]) == 2
+    for bad, message in (("float64", "needs 64-bit JAX"), ("int8", "dtype must be one of")):
+        with pytest.raises(ValueError, match=message):
+            load_model(tiny_model, dtype=bad)
+    keys, valid = jnp.ones((1, 10, 4)), jnp.ones((1, 10), bool)
+    with pytest.raises(ValueError, match="max_clusters must be a positive int"):
+        cosine_kmeans(keys, valid, jnp.array([0]), problem_keys(jax.random.PRNGKey(0), 1), max_clusters=0)
+
+
+def test_text_inputs_that_are_devices_or_not_utf8(tiny_model, tmp_path):
+    """`--prompt-file /dev/zero` once read past 8 GB; `--text /dev/zero` said "does not exist"; binary text said
+    "'utf-8' codec can't decode" without naming the file. Each is one line naming the flag and the file, at once."""
+    import time
+
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(b"ok \xff\xfe" * 10)
+    start = time.monotonic()
+    proc = run_cli("generate", "--model", tiny_model, "--prompt-file", "/dev/zero")
+    assert_one_line_error(proc, "--prompt-file", "/dev/zero", "not a regular file")
+    assert time.monotonic() - start < 60
+    assert_one_line_error(run_cli("generate", "--model", tiny_model, "--prompt-file", str(binary)),
+                          "--prompt-file", "binary.txt", "not UTF-8 text (byte 3")
+    assert_one_line_error(run_cli("eval", "recall", "--model", tiny_model, "--text", "/dev/zero", "--budgets", "16"),
+                          "--text", "/dev/zero", "not a regular file")
+    assert_one_line_error(run_cli("demo", "--document", str(binary), "--model", tiny_model),
+                          "--document", "binary.txt", "not UTF-8")
+
+
 def test_debug_shows_the_traceback(tmp_path):
     f = tmp_path / "file.txt"
     f.write_text("x")
