@@ -2,13 +2,61 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import operator
 import os
+import signal
+import threading
 from typing import Any, Sequence
 
 import jinja2
 import jinja2.sandbox
 import tokenizers
+
+#: A chat template renders one prompt: past these it is a resource bomb, not a prompt (the sandbox stops code
+#: execution, not resource use: `('x' * 10**10)|length`, a 10^5 x 10^5-character loop, nested range(10**5) loops).
+TEMPLATE_MAX_CHARS = 10_000_000
+TEMPLATE_MAX_SECONDS = 5.0
+
+
+class TemplateLimitError(ValueError):
+    """A chat template went past `TEMPLATE_MAX_CHARS` or `TEMPLATE_MAX_SECONDS`."""
+
+
+class _BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """The sandbox, with the operators that can build huge values checked before they run."""
+
+    intercepted_binops = frozenset(["*", "**"])
+
+    def call_binop(self, context, op: str, left: Any, right: Any) -> Any:
+        if op == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > TEMPLATE_MAX_CHARS:
+                    raise TemplateLimitError(f"the chat template builds a value of {len(seq) * n} items (more than "
+                                             f"{TEMPLATE_MAX_CHARS})")
+        if op == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 64:
+            raise TemplateLimitError(f"the chat template computes {left} ** {right}, past 64-bit integers")
+        return {"*": operator.mul, "**": operator.pow}[op](left, right)
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float):
+    """TemplateLimitError after `seconds` of wall time, in the main thread (a timer signal); elsewhere no limit."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expired(signum, frame):
+        raise TemplateLimitError(f"the chat template ran past {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _token_str(value: Any) -> str | None:
@@ -68,7 +116,8 @@ class Tokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """Renders `messages` with the checkpoint's chat template (sandboxed jinja2, as in transformers)."""
+        """Renders `messages` with the checkpoint's chat template (sandboxed jinja2, as in transformers), within
+        `TEMPLATE_MAX_CHARS` of output and `TEMPLATE_MAX_SECONDS` (TemplateLimitError past either)."""
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat_template; pass plain text instead of chat=True")
         for m in messages:
@@ -78,11 +127,16 @@ class Tokenizer:
         def raise_exception(message):
             raise jinja2.exceptions.TemplateError(message)
 
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.chat_template).render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-        )
+        template = env.from_string(self.chat_template)
+        parts, size = [], 0
+        with _time_limit(TEMPLATE_MAX_SECONDS):
+            # Rendered piece by piece, so output past the limit stops the template instead of filling memory.
+            for part in template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                          bos_token=self.bos_token or "", eos_token=self.eos_token or ""):
+                size += len(part)
+                if size > TEMPLATE_MAX_CHARS:
+                    raise TemplateLimitError(f"the chat template renders more than {TEMPLATE_MAX_CHARS} characters")
+                parts.append(part)
+        return "".join(parts)

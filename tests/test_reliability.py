@@ -410,3 +410,34 @@ def test_policy_indexes_stay_finite_with_nonfinite_padding(seed, nonfinite):
         if isinstance(policy, ClusterKV):
             np.testing.assert_array_equal(np.asarray(state.sizes).sum(-1),
                                           np.broadcast_to((lengths - 4)[:, None], (B, K)))
+
+
+@pytest.mark.parametrize("template, message", [
+    ("{{ ('x' * 10**10)|length }}", "builds a value of 10000000000 items"),
+    ("{% for i in range(10**5) %}{{ 'x' * 10**5 }}{% endfor %}", "renders more than"),
+    ("{% for i in range(10**5) %}{% for j in range(10**5) %}{% endfor %}{% endfor %}", "ran past"),
+    ("{{ 7 ** (10**9) }}", "past 64-bit integers"),
+])
+def test_chat_template_bombs_stop_within_limits(template, message):
+    """A checkpoint's chat template is code the sandbox runs without bounding its resources: each of these went
+    past 8 GB or 120 s. Now each stops within the template limits (10^7 characters, 5 s) with an error saying which,
+    and an ordinary template still renders."""
+    import resource
+    import time
+
+    import tokenizers
+
+    from clusterkv_jax.tokenizer import TEMPLATE_MAX_SECONDS, TemplateLimitError, Tokenizer
+
+    def tokenizer(chat_template):
+        words = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
+        return Tokenizer(words, {"chat_template": chat_template, "eos_token": "</s>"})
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.monotonic()
+    with pytest.raises(TemplateLimitError, match=message):
+        tokenizer(template).apply_chat_template([{"role": "user", "content": "hi"}])
+    assert time.monotonic() - start < TEMPLATE_MAX_SECONDS + 2
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 1 << 20  # KiB: under 1 GiB more
+    ordinary = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] * 2 }}{% endfor %}{{ eos_token }}"
+    assert tokenizer(ordinary).apply_chat_template([{"role": "user", "content": "hi"}]) == "<user>hihi</s>"
