@@ -441,3 +441,25 @@ def test_chat_template_bombs_stop_within_limits(template, message):
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 1 << 20  # KiB: under 1 GiB more
     ordinary = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] * 2 }}{% endfor %}{{ eos_token }}"
     assert tokenizer(ordinary).apply_chat_template([{"role": "user", "content": "hi"}]) == "<user>hihi</s>"
+
+
+def test_sizes_past_int32_and_bad_capacities_are_named():
+    """budget=10**12 and tokens_per_cluster=10**12 came back from JAX as "OverflowError ... argument path is x2";
+    init_cache(capacity=-5) as a shape error. Each is now refused naming the field, before JAX sees it."""
+    from clusterkv_jax.cache import init_cache
+    from clusterkv_jax.config import synthetic_config
+    from clusterkv_jax.policies import ClusterKV, Quest
+
+    for make, field in ((lambda: ClusterKV(budget=10**12), "ClusterKV.budget"),
+                        (lambda: ClusterKV(tokens_per_cluster=10**12), "ClusterKV.tokens_per_cluster"),
+                        (lambda: ClusterKV(max_iters=10**11), "ClusterKV.max_iters"),
+                        (lambda: Quest(budget=2**31), "Quest.budget")):
+        with pytest.raises(ValueError, match=f"{field} must fit in 32 bits"):
+            make()
+    assert ClusterKV(budget=2**31 - 1).budget == 2**31 - 1
+    config = synthetic_config("smollm2-135m", layers=2)
+    for bad in (-5, 0, 2**31, 1.5, True):
+        with pytest.raises(ValueError, match="capacity must be an int from 1"):
+            init_cache(config, ClusterKV(), 1, bad)
+    with pytest.raises(ValueError, match="batch_size must be an int from 1"):
+        init_cache(config, ClusterKV(), 0, 64)

@@ -89,6 +89,8 @@ class KVPolicy:
             where = f"{type(self).__name__}.{field.name}"
             if kind == "int" and (isinstance(value, bool) or not isinstance(value, Integral)):
                 raise TypeError(f"{where} must be an int, got {value!r}")
+            if kind == "int" and not -2**31 <= value < 2**31:  # sizes and indexes are int32 under jit
+                raise ValueError(f"{where} must fit in 32 bits (at most {2**31 - 1}), got {value!r}")
             if kind == "float" and (isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value)):
                 raise TypeError(f"{where} must be a finite number, got {value!r}")
             if kind == "bool" and not isinstance(value, bool):
