@@ -21,6 +21,7 @@ import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
+from clusterkv_jax.checkpoint import TERMINATING_SIGNALS
 from clusterkv_jax.config import FAMILIES, ModelConfig, read_json_object
 from clusterkv_jax.model import param_shapes
 
@@ -327,12 +328,8 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
-#: Signals that end a conversion: each raises (where it still has its default action) so the staging is deleted.
-_TERMINATING = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, name))
-
-
 class _Terminated(SystemExit):
-    """What a terminating signal (`_TERMINATING`) raises inside `_termination_raises`; exit status 128 + signum."""
+    """What a terminating signal (`TERMINATING_SIGNALS`) raises inside `_termination_raises`; exit status 128 + signum."""
 
     def __init__(self, signum: int):
         super().__init__(128 + signum)
@@ -375,7 +372,7 @@ def _termination_raises():
     runs. Only signals that still have their default action (a caller's own handler is left alone), from the main
     thread. Any interrupt landing in a callback that cannot raise is delivered again (`_interrupts_redelivered`)."""
     main = threading.current_thread() is threading.main_thread()
-    ours = [s for s in _TERMINATING if main and signal.getsignal(s) == signal.SIG_DFL]
+    ours = [s for s in TERMINATING_SIGNALS if main and signal.getsignal(s) == signal.SIG_DFL]
 
     def stop(signum, frame):
         raise _Terminated(signum)

@@ -7,9 +7,9 @@ compiles, for an H100 (sm90; `--platform cuda`) or a TPU v5e core (`--platform t
 KV, ClusterKV and Quest, each with its KV in device memory and offloaded to pinned host memory, and ClusterKV's
 prefill, with the kernels `kernels="auto"` picks there (on a TPU the Mosaic kernels, on an H100 the Triton
 block indexing: `clusterkv_jax.kernels.AUTO_ON_GPU`), and ClusterKV's decode step with every Pallas kernel
-(`kernels="pallas"`), and prints one row per program: compile seconds, the Pallas kernels in it, device and host memory. This is the
-target's whole XLA pipeline (Triton and ptxas for the GPU, Mosaic for the TPU): what would fail to compile on
-the device fails here. `make aot-cuda` / `make aot-tpu` install what each needs into a venv of its own (jax's
+(`kernels="pallas"`), and prints one row per program: compile seconds, the Pallas kernels in it, device and host
+memory. This is the target's whole XLA pipeline (Triton and ptxas for the GPU, Mosaic for the TPU): what would
+fail to compile on the device fails here. `make aot-cuda` / `make aot-tpu` install what each needs into a venv of its own (jax's
 CUDA plugin of the same version, `jax-cuda12-pjrt` and ptxas from `nvidia-cuda-nvcc-cu12`; or libtpu via
 `jax[tpu]`) and run this and `tests/test_aot.py`.
 

@@ -14,7 +14,6 @@ step that consumes it. Every array declares its logical axes and memory (`cluste
 from __future__ import annotations
 
 import functools
-import numbers
 from typing import Any, NamedTuple
 
 import flax.struct
@@ -22,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from clusterkv_jax import axes
-from clusterkv_jax.config import MAX_SIZE, ModelConfig
+from clusterkv_jax.config import ModelConfig, check_size
 from clusterkv_jax.offload import HostKV, host_memory_kind
 from clusterkv_jax.store import DeviceKV
 
@@ -118,9 +117,8 @@ def init_cache(config: ModelConfig, policy, batch_size: int, capacity: int, dtyp
     """An empty cache for `batch_size` sequences of up to `capacity` tokens each, laid out for `policy`. K/V
     are stored in `dtype` (default float32, what attention computes in; pass the parameters' dtype to match
     `generate`, or bfloat16 to halve the memory)."""
-    for name, value in (("batch_size", batch_size), ("capacity", capacity)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= value <= MAX_SIZE:
-            raise ValueError(f"{name} must be an int from 1 to {MAX_SIZE}, got {value!r}")
+    check_size(batch_size, "batch_size")
+    check_size(capacity, "capacity")
     if config.sliding_window is not None and capacity > config.sliding_window:
         raise ValueError(f"capacity {capacity} exceeds the model's sliding_window={config.sliding_window}: past it "
                          "attention would be windowed, which is not implemented")

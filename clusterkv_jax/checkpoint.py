@@ -18,6 +18,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 PARAMS_SUBDIR = "params"
+#: Signals that end a process by default and that a save or a conversion turns into a clean stop.
+TERMINATING_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, name))
 
 
 def save_params(path: str | os.PathLike, params: Any) -> str:
@@ -42,7 +44,7 @@ def _signals_held():
         yield
         return
     received: list[int] = []
-    held = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, name))
+    held = (signal.SIGINT, *TERMINATING_SIGNALS)
     previous = {signum: signal.signal(signum, lambda signum, frame: received.append(signum)) for signum in held}
     try:
         yield
@@ -100,12 +102,16 @@ def load_params(
     raise ValueError(f"params checkpoint {path!r} is truncated or corrupt ({first}); convert the model again")
 
 
+@jax.jit
+def _all_finite(arrays: list) -> list:
+    return [jnp.all(jnp.isfinite(x)) for x in arrays]
+
+
 def check_finite(params: Any, where: str) -> None:
     """Raises ValueError naming the first parameter that holds NaN or inf (damaged data decodes to such values,
     and the model then emits token 0 forever). One reduction per tensor, on the device holding it."""
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    finite = jax.jit(lambda xs: [jnp.all(jnp.isfinite(x)) for x in xs])(
-        [x for _, x in leaves if not isinstance(x, np.ndarray)])
+    finite = _all_finite([x for _, x in leaves if not isinstance(x, np.ndarray)])
     flags = iter(finite)
     for path, x in leaves:
         ok = bool(np.isfinite(x).all()) if isinstance(x, np.ndarray) else bool(next(flags))

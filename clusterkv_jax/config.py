@@ -108,7 +108,7 @@ class ModelConfig:
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim", "max_position_embeddings"):
-            _check_size(getattr(self, name), name)
+            check_size(getattr(self, name), name)
         if self.num_layers > MAX_LAYERS:
             raise ValueError(f"num_layers={self.num_layers} is past {MAX_LAYERS}, more than any model has; the "
                              "config is wrong")
@@ -154,10 +154,10 @@ class ModelConfig:
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             if key not in hf:
                 raise ValueError(f"config.json lacks required field {key!r}")
-            _check_size(hf[key], key)
+            check_size(hf[key], key)
         for key in ("num_key_value_heads", "head_dim", "max_position_embeddings"):
             if hf.get(key) is not None:
-                _check_size(hf[key], key)
+                check_size(hf[key], key)
         act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
         if act not in ("silu", "swish"):
             raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU) is implemented")
@@ -253,8 +253,6 @@ def _parse_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling]:
     else:
         theta = _number(hf.get("rope_theta", 10000.0), "rope_theta")
         scaling = hf.get("rope_scaling") or {}
-    if theta <= 0:
-        raise ValueError(f"rope_theta must be positive, got {theta!r}")
     rope_type = scaling.get("rope_type", scaling.get("type", "default")) or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
@@ -316,10 +314,10 @@ MAX_LAYERS = 10_000
 MAX_SIZE = 2**31 - 1
 
 
-def _check_size(value: Any, name: str) -> None:
+def check_size(value: Any, name: str) -> None:
     """A size field: an integer (a JSON integer, not a bool, float or string) in [1, MAX_SIZE]."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= value <= MAX_SIZE:
-        raise ValueError(f"{name} must be an integer from 1 to {MAX_SIZE}, got {value!r}")
+        raise ValueError(f"{name} must be an int from 1 to {MAX_SIZE}, got {value!r}")
 
 
 def _number(value: Any, name: str) -> float:

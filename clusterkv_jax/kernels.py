@@ -8,8 +8,8 @@ Implementations:
 - "tpu": their Mosaic versions (TPUs).
 
 A policy asks for a mode (`MODES`); `resolve` turns it into an implementation of one op for the device being
-traced for (`pallas_kernels.dispatch.compile_for` picks a device that is not attached). Every op below takes the resolved
-implementation and, under a multi-device mesh, runs a kernel once per device on its shard of the leading
+traced for (`pallas_kernels.dispatch.compile_for` picks a device that is not attached). Every op below takes the
+resolved implementation and, under a multi-device mesh, runs a kernel once per device on its shard of the leading
 (batch, head) dims (`ops.per_shard`): a custom call the SPMD partitioner cannot split stays local.
 """
 
