@@ -77,6 +77,13 @@ def _hf_sources(config: ModelConfig) -> list[_Source]:
             stacked("k", "self_attn.k_proj.weight", (K * H, D), lambda w: w.T.reshape(D, K, H)),
             stacked("v", "self_attn.v_proj.weight", (K * H, D), lambda w: w.T.reshape(D, K, H)),
         ]
+    # Where a norm's weights are: Gemma's "post_attention_layernorm" follows the attention (Llama's precedes the MLP).
+    if family.gemma:
+        mlp_norm, post_attn_norm, post_mlp_norm = ("pre_feedforward_layernorm", "post_attention_layernorm",
+                                                   "post_feedforward_layernorm")
+    else:
+        mlp_norm, post_attn_norm, post_mlp_norm = ("post_attention_layernorm", "post_self_attn_layernorm",
+                                                   "post_mlp_layernorm")
     if family.fused_gate_up:
         gate_up = "mlp.gate_up_proj.weight", (2 * F, D)
         mlp = [stacked("gate", *gate_up, rows(0, F, lambda w: w.T)),
@@ -89,7 +96,7 @@ def _hf_sources(config: ModelConfig) -> list[_Source]:
         stacked("attn_norm", "input_layernorm.weight", (D,)),
         *attention,
         stacked("o", "self_attn.o_proj.weight", (D, N * H), lambda w: w.T.reshape(N, H, D)),
-        stacked("mlp_norm", "post_attention_layernorm.weight", (D,)),
+        stacked("mlp_norm", f"{mlp_norm}.weight", (D,)),
         *mlp,
         stacked("down", "mlp.down_proj.weight", (D, F), lambda w: w.T),
     ]
@@ -105,8 +112,8 @@ def _hf_sources(config: ModelConfig) -> list[_Source]:
         sources += [stacked("q_norm", "self_attn.q_norm.weight", (H,)),
                     stacked("k_norm", "self_attn.k_norm.weight", (H,))]
     if c.post_norms:
-        sources += [stacked("post_attn_norm", "post_self_attn_layernorm.weight", (D,)),
-                    stacked("post_mlp_norm", "post_mlp_layernorm.weight", (D,))]
+        sources += [stacked("post_attn_norm", f"{post_attn_norm}.weight", (D,)),
+                    stacked("post_mlp_norm", f"{post_mlp_norm}.weight", (D,))]
     sources.append(_Source(("final_norm",), "model.norm.weight", (D,), None, False))
     if not c.tie_word_embeddings:
         sources.append(_Source(("lm_head",), "lm_head.weight", (V, D), lambda w: w.T, False))

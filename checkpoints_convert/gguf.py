@@ -161,7 +161,7 @@ def _gguf_hf_config(meta: _GGUFMetadata, tensor_names: set[str]) -> dict:
     window = None
     for name in meta.keys():
         if name == f"{arch}.attention.sliding_window" and arch == "phi3":
-            window = int(meta.get(name))  # ModelConfig accepts it where it never binds
+            window = int(meta.get(name))  # HF's Phi-3 windows every layer by it
         elif name.startswith(f"{arch}.") and "sliding_window" in name:
             raise ValueError(f"unsupported GGUF key {name!r}: sliding-window attention is not implemented")
     if (key("expert_count", 0) or 0) > 0:

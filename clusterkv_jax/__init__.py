@@ -43,7 +43,7 @@ def _with_cpu_flags(xla_flags: str, machine: str, cpu_features: frozenset[str]) 
 if not os.environ.get("CLUSTERKV_KEEP_XLA_FLAGS"):
     os.environ["XLA_FLAGS"] = _with_cpu_flags(os.environ.get("XLA_FLAGS", ""), platform.machine(), _cpu_features())
 
-from clusterkv_jax.cache import KVCache, init_cache, kv_bytes  # noqa: E402
+from clusterkv_jax.cache import KVCache, init_cache, kv_bytes, layer_kv_bytes  # noqa: E402
 from clusterkv_jax.config import ModelConfig, RopeScaling  # noqa: E402
 from clusterkv_jax.generate import GenerationResult, decode_step, generate, prefill, sample_tokens  # noqa: E402
 from clusterkv_jax.loading import Model, load_model  # noqa: E402
@@ -72,6 +72,7 @@ __all__ = [
     "generate",
     "init_cache",
     "kv_bytes",
+    "layer_kv_bytes",
     "load_model",
     "prefill",
     "sample_tokens",

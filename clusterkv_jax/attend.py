@@ -57,15 +57,21 @@ class Prefill:
     policy: Any
     lengths: jax.Array
     capacity: int
+    cap: float | None = None  # scores soft-capped (`attention.softcap`)
 
     def attend(self, group, i, store, state, q, k, v):
         """-> (causal attention [B, T, N, H] float32, store, state, None)."""
         k_rows = jnp.swapaxes(k, 1, 2).astype(store.k.dtype)  # [B, K, T, H] rows 0..T, in the store's dtype
         v_rows = jnp.swapaxes(v, 1, 2).astype(store.v.dtype)
+        if group.windowed:
+            W = store.capacity
+            store = write_ring(store, i, k_rows, v_rows, 0, self.lengths)
+            return (attention.causal_attention(q, k, v, block=PREFILL_BLOCK, window=W, cap=self.cap), store, state,
+                    None)
         state = observe_prompt_queries(self.policy, group, state, q, 0, self.lengths)
         store, state = write_prompt_layer(self.policy, group, store, state, i, k_rows, v_rows, self.lengths,
                                           self.capacity)
-        return attention.causal_attention(q, k, v, block=PREFILL_BLOCK), store, state, None
+        return attention.causal_attention(q, k, v, block=PREFILL_BLOCK, cap=self.cap), store, state, None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,12 +85,24 @@ class PrefillChunk:
     capacity: int
     start: jax.Array
     prompt: int  # T
+    cap: float | None = None
 
     def attend(self, group, i, store, state, q, k, v):
+        if group.windowed:  # the chunk attends to the ring (the positions before it) and to itself
+            W, (B, T) = store.capacity, q.shape[:2]
+            k_rows, v_rows = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+            view = store.layer(i)
+            q_positions = jnp.broadcast_to(self.start + jnp.arange(T, dtype=jnp.int32), (B, T))
+            k_positions = jnp.concatenate([ring_positions(jnp.broadcast_to(self.start, (B,)), W), q_positions], 1)
+            keys = jnp.concatenate([view.keys(), k_rows.astype(store.k.dtype)], 2)  # [B, K, W + T, H]
+            values = jnp.concatenate([view.values(), v_rows.astype(store.v.dtype)], 2)
+            out = attention.window_attention(q, q_positions, keys, values, k_positions, W, self.cap)
+            return out, write_ring(store, i, k_rows, v_rows, self.start, self.lengths), state, None
         written = store.write_prompt(i, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), start=self.start)
         view = written.layer(i)
         out = attention.causal_attention_over_rows(q, view.keys()[:, :, :self.prompt],
-                                                   view.values()[:, :, :self.prompt], self.start, block=PREFILL_BLOCK)
+                                                   view.values()[:, :, :self.prompt], self.start, block=PREFILL_BLOCK,
+                                                   cap=self.cap)
         return out, written, observe_prompt_queries(self.policy, group, state, q, self.start, self.lengths), None
 
 
@@ -97,24 +115,56 @@ class Decode:
     lengths: jax.Array
     prompt_lengths: jax.Array
     capacity: int
+    cap: float | None = None
 
     def attend(self, group, i, store, state, q, k, v):
         """-> (attention [B, 1, N, H] float32, store, state, changed: whether the state changed, traced)."""
         S, lengths = self.capacity, self.lengths + 1
+        if group.windowed:  # row = position % W; the ring holds the last W positions, this one included
+            W = store.capacity
+            view = store.write_token(i, self.lengths % W, k[:, 0], v[:, 0]).layer(i)
+            with jax.named_scope("attend"):
+                held = (ring_positions(lengths, W) >= 0)[:, None]  # [B, 1, W]
+                out = attention.rows_attention(q[:, 0], view.keys(), view.values(), held, self.cap)
+            return out[:, None], view.store, state, jnp.bool_(False)
         # This token's K/V [B, K, H] at each sequence's own position, in the row the policy keeps it in.
         rows = self.policy.token_rows(state, self.lengths, S) if group.selecting else self.lengths
         view = store.write_token(i, rows, k[:, 0], v[:, 0]).layer(i, S)
         if not group.selecting:
             with jax.named_scope("attend"):
-                out = attention.decode_attention(q[:, 0], view.keys(), view.values(), lengths)
+                out = attention.decode_attention(q[:, 0], view.keys(), view.values(), lengths, self.cap)
             return out[:, None], view.store, state, jnp.bool_(False)
-        out, new_state, view = decode_selecting(self.policy, state, q[:, 0], view, lengths, self.prompt_lengths)
+        out, new_state, view = decode_selecting(self.policy, state, q[:, 0], view, lengths, self.prompt_lengths,
+                                                self.cap)
         return out[:, None], view.store, new_state, self.policy.decode_changed_state(state, new_state)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Prefill of a layer
 # ----------------------------------------------------------------------------------------------------------
+
+
+def ring_positions(end: jax.Array, window: int) -> jax.Array:
+    """end [B] -> [B, window]: the position ring row r holds once positions [0, end) are written (row = position
+    % window): the latest p < end with p % window = r; negative where none has been."""
+    rows = jnp.arange(window, dtype=jnp.int32)
+    last = end[:, None].astype(jnp.int32) - 1
+    return last - (last - rows) % window
+
+
+def write_ring(store, i, k_rows: jax.Array, v_rows: jax.Array, start, lengths: jax.Array):
+    """A windowed layer's ring (row = position % W) after positions [start, start + T) of k_rows, v_rows
+    [B, K, T, H], those before each sequence's length: a row takes the latest such position it holds, or keeps
+    what it had (earlier chunks; a padded position never overwrites a real one). Returns the store."""
+    W, T = store.capacity, k_rows.shape[2]
+    end = jnp.minimum(start + T, lengths)  # [B]
+    positions = ring_positions(end, W)  # [B, W]
+    new = (positions >= start)[:, None, :, None]
+    offsets = jnp.clip(positions - start, 0, T - 1)[:, None, :, None]
+    view = store.layer(i)
+    k = jnp.where(new, jnp.take_along_axis(k_rows.astype(store.k.dtype), offsets, axis=2), view.keys())
+    v = jnp.where(new, jnp.take_along_axis(v_rows.astype(store.v.dtype), offsets, axis=2), view.values())
+    return store.write_layer(i, k, v)
 
 
 def observe_prompt_queries(policy, group, state, q: jax.Array, start, lengths: jax.Array):
@@ -182,10 +232,12 @@ def write_prompt(cache, keys: jax.Array, values: jax.Array, lengths: jax.Array, 
     for group in cache.groups:
         def body(store, xs, group=group):
             i, state, k, v = xs
+            if group.windowed:
+                return write_ring(store, i, k, v, 0, lengths), state
             return write_prompt_layer(policy, group, store, state, i, k, v, lengths, cache.capacity)
 
         n = group.num_layers
-        layers = slice(group.start, group.start + n)
+        layers = jnp.asarray(group.layers, jnp.int32)
         store, state = jax.lax.scan(body, group.store, (jnp.arange(n, dtype=jnp.int32), group.state,
                                                         keys[layers], values[layers]))
         groups.append(group.replace(store=store, state=state))
@@ -215,9 +267,11 @@ def index_window(policy, state, view, lengths: jax.Array, prompt_lengths: jax.Ar
     return policy.index_recent(state, recent_keys, lengths, prompt_lengths)
 
 
-def decode_selecting(policy, state, q: jax.Array, view, lengths: jax.Array, prompt_lengths: jax.Array):
+def decode_selecting(policy, state, q: jax.Array, view, lengths: jax.Array, prompt_lengths: jax.Array,
+                     cap: float | None = None):
     """One selecting layer's decode attention, from its store `view` (this layer, the new token's row written):
-    q [B, N, H], lengths [B] the new token included. Returns (output [B, N, H] float32, state, view)."""
+    q [B, N, H], lengths [B] the new token included, scores soft-capped by `cap`. Returns (output [B, N, H]
+    float32, state, view)."""
     with jax.named_scope("index"):
         indexed = index_window(policy, state, view, lengths, prompt_lengths)
         moves = policy.recent_moves(state, indexed)
@@ -225,27 +279,29 @@ def decode_selecting(policy, state, q: jax.Array, view, lengths: jax.Array, prom
             view = view.commit_window(*moves)
         state = policy.observe_decode(indexed, q, view, lengths, prompt_lengths)
     if policy.covers(view.positions):
-        return attend_everything(policy, state, q, view, lengths), state, view
+        return attend_everything(policy, state, q, view, lengths, cap), state, view
     everything = None if view.store.on_host else policy.covers_now(state, lengths, prompt_lengths)
     if everything is None:
-        out, view = attend_selected(policy, state, q, view, lengths, prompt_lengths)
+        out, view = attend_selected(policy, state, q, view, lengths, prompt_lengths, cap)
         return out, state, view
     # A store in device memory is only read here, so the branches return the output alone.
-    out = jax.lax.cond(jnp.all(everything), lambda: attend_everything(policy, state, q, view, lengths),
-                       lambda: attend_selected(policy, state, q, view, lengths, prompt_lengths)[0])
+    out = jax.lax.cond(jnp.all(everything), lambda: attend_everything(policy, state, q, view, lengths, cap),
+                       lambda: attend_selected(policy, state, q, view, lengths, prompt_lengths, cap)[0])
     return out, state, view
 
 
-def attend_everything(policy, state, q: jax.Array, view, lengths: jax.Array) -> jax.Array:
+def attend_everything(policy, state, q: jax.Array, view, lengths: jax.Array, cap: float | None = None) -> jax.Array:
     """Every row of the layer that holds a token (`KVPolicy.held_rows`, within `covered_rows`), as full KV attends."""
     n = policy.covered_rows(view.positions)
     with jax.named_scope("attend"):
         mask = policy.held_rows(state, lengths, view.positions)[..., :n]
-        return attention.rows_attention(q, *view.read_all(n), mask)
+        return attention.rows_attention(q, *view.read_all(n), mask, cap)
 
 
-def attend_selected(policy, state, q: jax.Array, view, lengths: jax.Array, prompt_lengths: jax.Array):
-    """The policy's selection and its window, one softmax -> (output [B, N, H] float32, view)."""
+def attend_selected(policy, state, q: jax.Array, view, lengths: jax.Array, prompt_lengths: jax.Array,
+                    cap: float | None = None):
+    """The policy's selection and its window, one softmax -> (output [B, N, H] float32, view). The page-table
+    kernel has no soft-capping: capped scores take the other ways."""
     S = view.positions
     with jax.named_scope("select"):
         keys = view.keys() if policy.reads_all_keys else None
@@ -257,7 +313,7 @@ def attend_selected(policy, state, q: jax.Array, view, lengths: jax.Array, promp
     # (the page table and the tiles address the whole store; under a mesh the rows are gathered per shard).
     whole_store = isinstance(view, DeviceLayer) and (not W or policy.ring_window) and multi_device_axes() is None
     impl = kernels.resolve(policy.kernels, "selected_attention")
-    if whole_store and impl != "reference" and can_attend_in_place(view, selection, W):
+    if whole_store and impl != "reference" and cap is None and can_attend_in_place(view, selection, W):
         with jax.named_scope("attend"):
             return attend_in_place(q, view, selection, W, ring_mask, impl), view
 
@@ -272,11 +328,12 @@ def attend_selected(policy, state, q: jax.Array, view, lengths: jax.Array, promp
                     positions, w_mask = recent_window(lengths, start, W)
                     k_win, v_win = view.window(policy.token_rows(state, positions, S))
         with jax.named_scope("attend"):
-            return attention.selection_and_window_attention(q, k_sel, v_sel, sel_mask, k_win, v_win, w_mask), view
+            return (attention.selection_and_window_attention(q, k_sel, v_sel, sel_mask, k_win, v_win, w_mask, cap),
+                    view)
 
     if whole_store and tiles_for(view, selection) > 1:
         # A platform choice at lowering: tiles are for a CPU's cache; elsewhere a loop only serializes the work.
-        out = jax.lax.platform_dependent(cpu=lambda: attend_tiled(q, view, selection, W, ring_mask),
+        out = jax.lax.platform_dependent(cpu=lambda: attend_tiled(q, view, selection, W, ring_mask, cap),
                                          default=lambda: gathered(view)[0])
         return out, view
     return gathered(view)
@@ -322,7 +379,8 @@ def tiles_for(view: DeviceLayer, selection: Selection) -> int:
     return next(d for d in range(1, B * K + 1) if (B * K) % d == 0 and (total <= d * GATHER_TILE_BYTES or d == B * K))
 
 
-def attend_tiled(q: jax.Array, view: DeviceLayer, selection: Selection, window: int, window_mask) -> jax.Array:
+def attend_tiled(q: jax.Array, view: DeviceLayer, selection: Selection, window: int, window_mask,
+                 cap: float | None = None) -> jax.Array:
     """`attention.selection_and_window_attention` over the selection's rows and the ring, a tile of (sequence, KV
     head) pairs at a time (`tiles_for`, a `lax.map`): q [B, N, H] -> [B, N, H] float32. XLA:CPU cannot read
     gathered rows inside the score product: the gather writes them out and the product reads them back. All
@@ -344,7 +402,7 @@ def attend_tiled(q: jax.Array, view: DeviceLayer, selection: Selection, window: 
         if window:
             k_win, v_win = (x[:, None] for x in view.ring_pairs(t * p, p, window))  # [p, 1, W, H]
         return attention.selection_and_window_attention(q_t, k_sel, v_sel, mask_t, k_win, v_win,
-                                                        w_mask if window else None)
+                                                        w_mask if window else None, cap)
 
     with jax.named_scope("attend_tiled"):
         out = jax.lax.map(one_tile, (jnp.arange(tiles, dtype=jnp.int32), qs, starts, mask, w_masks))

@@ -12,45 +12,65 @@ import jax.numpy as jnp
 NEG_INF = -1e30  # finite, so a fully masked row gives a uniform softmax instead of NaN
 
 
+def softcap(x: jax.Array, cap: float | None) -> jax.Array:
+    """cap * tanh(x / cap) (Gemma 2's soft-capping of scores and logits); x itself when cap is None. Monotone: no
+    ranking of keys by their scores changes."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
 def _softmax_weighted_sum(scores: jax.Array, mask: jax.Array, values: jax.Array, spec: str) -> jax.Array:
     scores = jnp.where(mask, scores, NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1)
     return jnp.einsum(spec, probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
 
 
-def causal_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """q [B, T, N, H], k and v [B, T, K, H] -> causal attention [B, T, N, H] (float32): the whole [T, T] score
-    matrix, masked. For tests and short prompts."""
+def causal_mask(q_positions: jax.Array, k_positions: jax.Array, window: int | None = None) -> jax.Array:
+    """[..., Q, T]: key position <= query position and, with a window W, within the query's last W positions (its
+    own included; HF's sliding window: q - k < W)."""
+    q, k = q_positions[..., :, None], k_positions[..., None, :]
+    mask = k <= q
+    return mask if window is None else mask & (q - k < window)
+
+
+def causal_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None = None,
+                               cap: float | None = None) -> jax.Array:
+    """q [B, T, N, H], k and v [B, T, K, H] -> causal attention [B, T, N, H] (float32), each query over its last
+    `window` positions when given, scores soft-capped by `cap` when given: the whole [T, T] score matrix, masked.
+    For tests and short prompts."""
     B, T, N, H = q.shape
     K = k.shape[2]
     qg = q.reshape(B, T, K, N // K, H)
-    scores = jnp.einsum("BQKGH,BTKH->BKGQT", qg, k, preferred_element_type=jnp.float32) / (H ** 0.5)
-    mask = jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]  # [Q, T]
+    scores = softcap(jnp.einsum("BQKGH,BTKH->BKGQT", qg, k, preferred_element_type=jnp.float32) / (H ** 0.5), cap)
+    mask = causal_mask(jnp.arange(T), jnp.arange(T), window)  # [Q, T]
     return _softmax_weighted_sum(scores, mask, v, "BKGQT,BTKH->BQKGH").reshape(B, T, N, H)
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block: int = 512) -> jax.Array:
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block: int = 512,
+                     window: int | None = None, cap: float | None = None) -> jax.Array:
     """q [B, T, N, H], k and v [B, T, K, H] -> causal attention output [B, T, N, H] (float32), flash style.
 
     Queries and keys in blocks of `block` (T padded to whole blocks): query block i visits key blocks 0..i only,
     with an online softmax, so the work is the causal half of the [T, T] scores and no more than a
     [B, K, G * block, block] score tile exists at once. Padded keys lie after every real query, so causality
     masks them; the padded queries' outputs are dropped. Right-padded ragged prompts need nothing more.
+    With a `window` W, query block i visits only the key blocks holding its last W positions: the work follows
+    T·W, not T².
     Equal to `causal_attention_reference` up to float rounding.
     """
     T = q.shape[1]
     if T <= block:
-        return causal_attention_reference(q, k, v)
+        return causal_attention_reference(q, k, v, window, cap)
     # Head-major keys, so a block of keys is one contiguous slice per head.
-    return causal_attention_over_rows(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), jnp.int32(0), block=block)
+    return causal_attention_over_rows(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), jnp.int32(0), block=block,
+                                      window=window, cap=cap)
 
 
 def causal_attention_over_rows(q: jax.Array, k_rows: jax.Array, v_rows: jax.Array, q_start: jax.Array, *,
-                               block: int = 512) -> jax.Array:
+                               block: int = 512, window: int | None = None, cap: float | None = None) -> jax.Array:
     """Queries q [B, T, N, H] at positions q_start + [0, T) over keys and values k_rows, v_rows [B, K, S, H] at
     positions [0, S) (a layer's store rows: chunked prefill attends to the cache so far), causal ->
     [B, T, N, H] (float32). q_start must be a multiple of `block`; the flash loop of `causal_attention`, whose
-    query block i (absolute) visits key blocks 0..i."""
+    query block i (absolute) visits key blocks 0..i (with a `window`, only those within it)."""
     B, T, N, H = q.shape
     K, S = k_rows.shape[1], k_rows.shape[2]
     G = N // K
@@ -73,8 +93,13 @@ def causal_attention_over_rows(q: jax.Array, k_rows: jax.Array, v_rows: jax.Arra
             m, l, acc = carry  # [B, K, G * block] running max and sum, [B, K, G * block, H] weighted values
             k_j = jax.lax.dynamic_slice_in_dim(kh, j * block, block, axis=2)  # [B, K, block, H]
             v_j = jax.lax.dynamic_slice_in_dim(vh, j * block, block, axis=2)
-            s = jnp.einsum("BKQH,BKTH->BKQT", q_i.astype(k_j.dtype), k_j, preferred_element_type=jnp.float32)
-            s = jnp.where((j < i) | causal, s, NEG_INF)
+            s = softcap(jnp.einsum("BKQH,BKTH->BKQT", q_i.astype(k_j.dtype), k_j, preferred_element_type=jnp.float32),
+                        cap)
+            if window is None:
+                s = jnp.where((j < i) | causal, s, NEG_INF)
+            else:
+                q_pos = i * block + jnp.tile(offsets, G)  # [G * block]
+                s = jnp.where(causal_mask(q_pos, j * block + offsets, window), s, NEG_INF)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             p = jnp.exp(s - m_new[..., None])
             correction = jnp.exp(m - m_new)
@@ -85,7 +110,8 @@ def causal_attention_over_rows(q: jax.Array, k_rows: jax.Array, v_rows: jax.Arra
 
         init = (jnp.full((B, K, G * block), NEG_INF, jnp.float32), jnp.zeros((B, K, G * block), jnp.float32),
                 jnp.zeros((B, K, G * block, H), jnp.float32))
-        _, l, acc = jax.lax.fori_loop(0, i + 1, key_block, init)
+        lo = 0 if window is None else jnp.maximum(i * block - window + 1, 0) // block
+        _, l, acc = jax.lax.fori_loop(lo, i + 1, key_block, init)
         return acc / l[..., None]
 
     out = jax.lax.map(query_block, (first + jnp.arange(n, dtype=jnp.int32), qb))  # [n, B, K, G * block, H]
@@ -93,14 +119,28 @@ def causal_attention_over_rows(q: jax.Array, k_rows: jax.Array, v_rows: jax.Arra
     return out[:, :T]
 
 
-def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array) -> jax.Array:
+def window_attention(q: jax.Array, q_positions: jax.Array, k: jax.Array, v: jax.Array, k_positions: jax.Array,
+                     window: int, cap: float | None = None) -> jax.Array:
+    """Queries q [B, T, N, H] at q_positions [B, T] over keys and values k, v [B, K, M, H] at k_positions [B, M]
+    (negative: no token), each query over its last `window` positions -> [B, T, N, H] (float32). A chunk of a
+    prompt in a windowed layer: the ring's rows and the chunk's own."""
+    B, T, N, H = q.shape
+    K = k.shape[1]
+    qg = q.reshape(B, T, K, N // K, H)
+    scores = softcap(jnp.einsum("BQKGH,BKTH->BKGQT", qg, k, preferred_element_type=jnp.float32) / (H ** 0.5), cap)
+    mask = causal_mask(q_positions, k_positions, window) & (k_positions >= 0)[:, None, :]  # [B, Q, M]
+    return _softmax_weighted_sum(scores, mask[:, None, None], v, "BKGQT,BKTH->BQKGH").reshape(B, T, N, H)
+
+
+def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, cap: float | None = None
+                     ) -> jax.Array:
     """One query per sequence over its whole cache: q [B, N, H], k and v [B, K, S, H], lengths [B]
     (tokens valid in the cache, the current one included) -> [B, N, H] (float32)."""
     S = k.shape[2]
-    return rows_attention(q, k, v, (jnp.arange(S)[None, :] < lengths[:, None])[:, None])
+    return rows_attention(q, k, v, (jnp.arange(S)[None, :] < lengths[:, None])[:, None], cap)
 
 
-def rows_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def rows_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, cap: float | None = None) -> jax.Array:
     """One query per head over the rows of its KV head where mask [B, 1 or K, R]: q [B, N, H], k and v
     [B, K, R, H] -> [B, N, H] (float32)."""
     B, N, H = q.shape
@@ -108,7 +148,7 @@ def rows_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) ->
     # [B, K, G, H]
     qg = q.reshape(B, K, N // K, H)
     # [B, K, G, R]
-    scores = jnp.einsum("BKGH,BKSH->BKGS", qg, k, preferred_element_type=jnp.float32) / (H ** 0.5)
+    scores = softcap(jnp.einsum("BKGH,BKSH->BKGS", qg, k, preferred_element_type=jnp.float32) / (H ** 0.5), cap)
     out = _softmax_weighted_sum(scores, mask[:, :, None, :], v, "BKGS,BKSH->BKGH")
     return out.reshape(B, N, H)
 
@@ -121,6 +161,7 @@ def selection_and_window_attention(
     k_win: jax.Array | None = None,  # [B, K, W, H] a window of rows every query head of the KV head attends
     v_win: jax.Array | None = None,  # [B, K, W, H]
     win_mask: jax.Array | None = None,  # [B, W]
+    cap: float | None = None,  # scores soft-capped (Gemma 2)
 ) -> jax.Array:
     """One query per head over its selected rows and its KV head's window (if any), one softmax over both ->
     [B, N, H] (float32). Rows shared by the G query heads of a KV head are read once, not copied per query head."""
@@ -148,8 +189,8 @@ def selection_and_window_attention(
             return jnp.einsum("BKGMH,BKGH->BKGM", rows, qg, preferred_element_type=jnp.float32)
         return jnp.swapaxes(jnp.einsum(f"{spec},BKGH->BKMG", rows, qg, preferred_element_type=jnp.float32), -1, -2)
 
-    scores = jnp.concatenate([rows_times_queries(k_sel, sel_spec), rows_times_queries(k_win, "BKMH")],
-                             axis=-1) / (H ** 0.5)
+    scores = softcap(jnp.concatenate([rows_times_queries(k_sel, sel_spec), rows_times_queries(k_win, "BKMH")],
+                                     axis=-1) / (H ** 0.5), cap)
     mask = jnp.concatenate([sel_mask, jnp.broadcast_to(win_mask[:, None, None, :], (B, K, G, W))], axis=-1)
     probs = jax.nn.softmax(jnp.where(mask, scores, NEG_INF), axis=-1)
     p_sel, p_win = probs[..., :M].astype(v_sel.dtype), probs[..., M:].astype(v_win.dtype)

@@ -1,11 +1,21 @@
 """The KV cache: the model's layers in groups, each group's K/V in one store, plus the policy's state.
 
-Layers [0, full_layers) attend to every cached token; layers [full_layers, L) attend to what the policy selects.
-Each run of layers that agree on that and on placement (device or host memory, as the policy asks) is one
-`LayerGroup`: one store (`clusterkv_jax.store.DeviceKV` or `clusterkv_jax.offload.HostKV`) stacked over the
-group's layers and, for selecting layers, the policy's state stacked likewise. The model runs one `lax.scan`
-per group, so buffers exist only where they are used: no policy state for full layers, no host buffers for
-device layers.
+Each layer attends one of three ways (its `LayerKind`):
+
+- windowed: a sliding-attention layer whose window W is shorter than the capacity keeps a ring of its last W
+  positions (row = position % W): memory and step time independent of the context. It never selects.
+- full: layers [0, full_layers) of the model that are not windowed attend to every cached token.
+- selecting: the other layers attend to what the policy selects (in device or host memory, as it asks).
+
+`full_layers` counts the model's layers from the first, whatever their type: a windowed layer among them keeps its
+window. A budget applies to each selecting layer.
+
+Layers of one kind within a `Segment` share one `LayerGroup`: one store (`clusterkv_jax.store.DeviceKV` or
+`clusterkv_jax.offload.HostKV`) stacked over the group's layers and, for selecting layers, the policy's state
+stacked likewise. A segment is a run of layers whose kinds repeat with a period (Gemma 3: five windowed, one
+global); the model runs one `lax.scan` per segment over the repeats, the period's layers in its body, so compile
+time follows the number of segments, not depth (a model of one type has one or two). Buffers exist only where they
+are used: no policy state for full or windowed layers, no host buffers for device layers.
 
 Everything is capacity-padded: rows at or past `lengths[b]` of sequence b are padding. Donate the cache to the
 step that consumes it. Every array declares its logical axes and memory (`clusterkv_jax.axes`).
@@ -21,41 +31,124 @@ import jax
 import jax.numpy as jnp
 
 from clusterkv_jax import axes
-from clusterkv_jax.config import ModelConfig, check_size
+from clusterkv_jax.config import SLIDING_ATTENTION, ModelConfig, check_size
 from clusterkv_jax.offload import HostKV, host_memory_kind
 from clusterkv_jax.store import DeviceKV
 
+WINDOWED, FULL, SELECTING = "windowed", "full", "selecting"
+
+#: The longest period `segments` looks for; real models repeat every 1 to 6 layers.
+MAX_PERIOD = 16
+
+
+class LayerKind(NamedTuple):
+    attention: str  # WINDOWED, FULL or SELECTING
+    on_host: bool
+    sliding: bool = False  # a sliding-attention layer with a RoPE of its own (Gemma 3), windowed or not
+
+
+class Segment(NamedTuple):
+    """Layers [start, start + period * reps): `reps` repeats of a period of layers; slot m of the period is layer
+    occurrence `slots[m][1]` (within one period) of group `slots[m][0]` (an index into `KVCache.groups`)."""
+
+    start: int
+    period: int
+    reps: int
+    slots: tuple[tuple[int, int], ...]
+
+
+def layer_kinds(config: ModelConfig, policy, capacity: int) -> list[LayerKind]:
+    """How each layer of `config` attends under `policy` in a cache of `capacity` positions."""
+    kinds = []
+    for layer, windowed in enumerate(config.windowed_layers(capacity)):
+        # Only where its RoPE differs does a layer's type part its kind from the others'.
+        sliding = bool(config.layer_types) and config.local_rope_theta is not None and (
+            config.layer_types[layer] == SLIDING_ATTENTION)
+        if windowed:
+            kinds.append(LayerKind(WINDOWED, False, sliding))
+        else:
+            selecting = layer >= policy.full_layers
+            kinds.append(LayerKind(SELECTING if selecting else FULL, bool(policy.offloads(selecting)), sliding))
+    return kinds
+
+
+def segments(kinds: list, weight=lambda kind: 1) -> list[tuple[int, int, int]]:
+    """`kinds` as runs (start, period, reps) of a repeated period, chosen to make the compiled program smallest: the
+    layer bodies it traces (one per slot of each period, `weight(kind)` each) plus one per scan. [F, F, S x 30] ->
+    (0, 1, 2), (2, 1, 30); Gemma 3's (W x 5, S) x 8 -> (0, 6, 8)."""
+    L = len(kinds)
+    # match[p][j]: how many layers from j on equal the layer p after them.
+    match = {}
+    for p in range(1, min(MAX_PERIOD, L) + 1):
+        run = [0] * (L + 1)
+        for j in range(L - p - 1, -1, -1):
+            run[j] = run[j + 1] + 1 if kinds[j] == kinds[j + p] else 0
+        match[p] = run
+    weights = [weight(k) for k in kinds]
+    cost, choice = [0] * (L + 1), [None] * (L + 1)
+    for s in range(L - 1, -1, -1):
+        best = None
+        for p in range(1, min(MAX_PERIOD, L - s) + 1):
+            body = sum(weights[s:s + p]) + 1
+            for reps in sorted({min(p + match[p][s], L - s) // p, 1}, reverse=True):
+                total = body + cost[s + p * reps]
+                if best is None or total < best[0]:
+                    best = (total, p, reps)
+        cost[s], choice[s] = best[0], best[1:]
+    out, s = [], 0
+    while s < L:
+        p, reps = choice[s]
+        out.append((s, p, reps))
+        s += p * reps
+    return out
+
+
+#: A selecting layer's body (selection, its ways of attending) compiles to several times a full or windowed one's.
+SELECTING_BODY_WEIGHT = 3
+
 
 class GroupPlan(NamedTuple):
-    start: int
-    stop: int
-    selecting: bool
-    on_host: bool
+    layers: tuple[int, ...]  # model layers, in store order
+    kind: LayerKind
 
 
-def layer_groups(config: ModelConfig, policy) -> list[GroupPlan]:
-    """The policy's layers as contiguous groups of (selecting or not) x (device or host memory)."""
-    L = config.num_layers
-    first_selecting = min(max(policy.full_layers, 0), L)
-    plans = []
-    for start, stop, selecting in ((0, first_selecting, False), (first_selecting, L, True)):
-        if stop > start:
-            plans.append(GroupPlan(start, stop, selecting, bool(policy.offloads(selecting))))
-    return plans
+def plan_layers(config: ModelConfig, policy, capacity: int) -> tuple[list[GroupPlan], list[Segment]]:
+    """The groups of a cache and the segments the model scans (see the module docstring)."""
+    kinds = layer_kinds(config, policy, capacity)
+    groups, segs = [], []
+    for start, period, reps in segments(kinds, lambda k: SELECTING_BODY_WEIGHT if k.attention == SELECTING else 1):
+        pattern = kinds[start:start + period]
+        slots, first = [], {}
+        for m, kind in enumerate(pattern):
+            if kind not in first:
+                first[kind] = len(groups)
+                offsets = [j for j, k in enumerate(pattern) if k == kind]
+                groups.append(GroupPlan(tuple(start + r * period + j for r in range(reps) for j in offsets), kind))
+            slots.append((first[kind], sum(1 for k in pattern[:m] if k == kind)))
+        segs.append(Segment(start, period, reps, tuple(slots)))
+    return groups, segs
 
 
 @flax.struct.dataclass
 class LayerGroup:
-    """Layers [start, start + n) with one placement: their store and (selecting layers) the policy's state."""
+    """Model layers `layers` of one kind and placement: their store and (selecting layers) the policy's state."""
 
-    store: Any  # DeviceKV or HostKV, arrays [n, B, K, S, H]
-    state: Any = axes.stacked()  # the policy's state, every leaf with a leading [n] axis; None for full layers
-    start: int = flax.struct.field(pytree_node=False)
-    selecting: bool = flax.struct.field(pytree_node=False)
+    store: Any  # DeviceKV or HostKV, arrays [n, B, K, R, H] (a windowed group: R = W)
+    state: Any = axes.stacked()  # the policy's state, every leaf with a leading [n] axis; None unless selecting
+    layers: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
+    attention: str = flax.struct.field(pytree_node=False, default=FULL)
 
     @property
     def num_layers(self) -> int:
         return self.store.k.shape[0]
+
+    @property
+    def selecting(self) -> bool:
+        return self.attention == SELECTING
+
+    @property
+    def windowed(self) -> bool:
+        return self.attention == WINDOWED
 
     @property
     def on_host(self) -> bool:
@@ -70,6 +163,7 @@ class KVCache:
     lengths: jax.Array = axes.field("batch")  # [B] int32: tokens stored (prompt + generated)
     prompt_lengths: jax.Array = axes.field("batch")  # [B] int32: tokens that came from the prompt
     capacity: int = flax.struct.field(pytree_node=False, default=0)  # S: positions each sequence can hold
+    segments: tuple[Segment, ...] = flax.struct.field(pytree_node=False, default=())  # what the model scans
 
     @property
     def batch_size(self) -> int:
@@ -97,13 +191,14 @@ class KVCache:
     def group_of(self, layer: int) -> tuple[LayerGroup, int]:
         """(the group holding model layer `layer`, its index inside that group)."""
         for g in self.groups:
-            if g.start <= layer < g.start + g.num_layers:
-                return g, layer - g.start
+            if layer in g.layers:
+                return g, g.layers.index(layer)
         raise IndexError(f"layer {layer} out of range")
 
     def layer_kv(self, layer: int) -> tuple[jax.Array, jax.Array]:
         """Keys and values [B, K, R, H] of every store row of model layer `layer`, on the device (tests,
-        benchmarks, plots). Row r holds position r unless the policy lays its layers out otherwise."""
+        benchmarks, plots). Row r holds position r unless the policy lays its layers out otherwise (or the layer is
+        windowed: row r holds the latest position p with p % W = r)."""
         return _layer_kv(self, layer)
 
 
@@ -119,28 +214,27 @@ def init_cache(config: ModelConfig, policy, batch_size: int, capacity: int, dtyp
     `generate`, or bfloat16 to halve the memory)."""
     check_size(batch_size, "batch_size")
     check_size(capacity, "capacity")
-    if config.sliding_window is not None and capacity > config.sliding_window:
-        raise ValueError(f"capacity {capacity} exceeds the model's sliding_window={config.sliding_window}: past it "
-                         "attention would be windowed, which is not implemented")
     dtype = jnp.float32 if dtype is None else jnp.dtype(dtype)
     B, K, H = batch_size, config.num_kv_heads, config.head_dim
     groups = []
-    for plan in layer_groups(config, policy):
-        n = plan.stop - plan.start
-        rows = policy.store_rows(capacity) if plan.selecting else capacity
-        if not plan.on_host:
+    plans, segs = plan_layers(config, policy, capacity)
+    for plan in plans:
+        n, selecting = len(plan.layers), plan.kind.attention == SELECTING
+        rows = {WINDOWED: config.sliding_window, FULL: capacity, SELECTING: policy.store_rows(capacity)}[
+            plan.kind.attention]
+        if not plan.kind.on_host:
             store = DeviceKV.create(n, B, K, rows, H, dtype)
-        elif plan.selecting:
+        elif selecting:
             store = HostKV.create(n, B, K, rows, H, dtype, window=policy.window_size(capacity),
                                   selection_shape=policy.selection_shape(config, B, capacity),
                                   recall_steps=policy.recall_steps, ring_rows=policy.ring_window)
         else:
             store = HostKV.create(n, B, K, rows, H, dtype)
-        state = policy.init_states(config, B, capacity, range(plan.start, plan.stop)) if plan.selecting else None
-        groups.append(LayerGroup(store=store, state=state, start=plan.start, selecting=plan.selecting))
+        state = policy.init_states(config, B, capacity, plan.layers) if selecting else None
+        groups.append(LayerGroup(store=store, state=state, layers=plan.layers, attention=plan.kind.attention))
     # Two arrays, not one: a donated cache must not pass the same buffer twice.
     return KVCache(groups=tuple(groups), lengths=jnp.zeros((B,), jnp.int32), prompt_lengths=jnp.zeros((B,), jnp.int32),
-                   capacity=capacity)
+                   capacity=capacity, segments=tuple(segs))
 
 
 def memory_kinds(cache: KVCache) -> KVCache:
@@ -158,3 +252,14 @@ def kv_bytes(cache: KVCache) -> dict[str, int]:
         for kind, n in g.store.nbytes().items():
             total[kind] += n
     return total
+
+
+def layer_kv_bytes(cache: KVCache) -> list[dict[str, Any]]:
+    """Per model layer: how it attends ("windowed", "full", "selecting") and the bytes of KV it holds in device and
+    host memory (`kv_bytes` split by layer)."""
+    out: list[dict[str, Any]] = [{}] * sum(g.num_layers for g in cache.groups)
+    for g in cache.groups:
+        held = {kind: n // g.num_layers for kind, n in g.store.nbytes().items()}
+        for layer in g.layers:
+            out[layer] = {"attention": g.attention, **held}
+    return out

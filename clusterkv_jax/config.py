@@ -37,19 +37,43 @@ class Family:
     # HF's defaults where config.json says nothing.
     rms_norm_eps: float = 1e-5
     attention_bias: bool = False
+    # Which layers a config.json's `sliding_window` applies to: "none" (the family has no windows), "all" (Mistral,
+    # Phi-3: every layer), "layer_types" (Qwen2, Qwen3: `use_sliding_window` turns it on, `layer_types` or
+    # `max_window_layers` say which layers).
+    windows: str = "none"
+    sliding_window: int | None = None  # HF's default when config.json has no sliding_window key
+    # Gemma: embeddings scaled by sqrt(hidden_size); norms scale by (1 + w) in float32; GeGLU (tanh GELU); norms
+    # named input / post_attention / pre_feedforward / post_feedforward; scores scaled by query_pre_attn_scalar
+    # and, where the config says, soft-capped (Gemma 2: attention 50, final logits 30); Gemma 3's sliding layers
+    # use their own RoPE base. Defaults where config.json says nothing, as HF's configs have them.
+    gemma: bool = False
+    window_pattern: int = 0  # "pattern" windows: every window_pattern-th layer is full attention
+    tie_word_embeddings: bool = False
+    head_dim: int | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
 
 FAMILIES: dict[str, Family] = {
     "llama": Family(),
-    "mistral": Family(),
-    "qwen2": Family(qkv_bias="always", o_bias="never", rms_norm_eps=1e-6),
-    "qwen3": Family(qk_norm=True, rms_norm_eps=1e-6),
+    "mistral": Family(windows="all", sliding_window=4096),
+    "qwen2": Family(qkv_bias="always", o_bias="never", rms_norm_eps=1e-6, windows="layer_types"),
+    "qwen3": Family(qk_norm=True, rms_norm_eps=1e-6, windows="layer_types"),
     "glm": Family(o_bias="never", rope_interleaved=True, fused_gate_up=True, rms_norm_eps=1.5625e-07,
                   attention_bias=True),
     "glm4": Family(o_bias="never", rope_interleaved=True, fused_gate_up=True, post_norms=True,
                    rms_norm_eps=1.5625e-07, attention_bias=True),
-    "phi3": Family(qkv_bias="never", o_bias="never", fused_qkv=True, fused_gate_up=True),
+    "phi3": Family(qkv_bias="never", o_bias="never", fused_qkv=True, fused_gate_up=True, windows="all"),
+    "gemma2": Family(post_norms=True, rms_norm_eps=1e-6, windows="pattern", sliding_window=4096, gemma=True,
+                     window_pattern=2, tie_word_embeddings=True, head_dim=256, attn_logit_softcapping=50.0,
+                     final_logit_softcapping=30.0),
+    "gemma3_text": Family(qk_norm=True, post_norms=True, rms_norm_eps=1e-6, windows="pattern", sliding_window=4096,
+                          gemma=True, window_pattern=6, tie_word_embeddings=True, head_dim=256),
 }
+
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 
@@ -77,7 +101,7 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of a Llama-family decoder. Frozen and hashable: a static argument under `jax.jit`."""
+    """Hyper-parameters of a decoder of one of `FAMILIES`. Frozen and hashable: a static argument under `jax.jit`."""
 
     vocab_size: int
     hidden_size: int
@@ -97,9 +121,18 @@ class ModelConfig:
     post_norms: bool = False  # RMSNorm of the attention and MLP outputs before their residual adds
     rope_interleaved: bool = False  # RoPE rotates channel pairs (2i, 2i + 1), not halves
     partial_rotary_factor: float = 1.0  # RoPE rotates the first int(head_dim * this) channels
-    # HF's sliding_window where no sequence can outgrow it (>= max_position_embeddings: Phi-3-128k's 262,144), so
-    # attention is global; init_cache refuses a capacity past it. A window that binds is refused when read.
+    # Layer types (HF's `layer_types`): a "sliding_attention" layer attends to the last `sliding_window` positions
+    # (its own included), a "full_attention" layer to every position. Empty: every layer is full attention.
+    layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
+    local_rope_theta: float | None = None  # RoPE base of sliding layers (default RoPE; Gemma 3), else rope_theta's
+    # Gemma (see `Family.gemma`):
+    hidden_act: str = "silu"  # "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU)
+    norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + w), in float32 when nonzero
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size), in the parameters' dtype
+    query_pre_attn_scalar: float | None = None  # scores are q.k / sqrt(this) (default: head_dim)
+    attn_logit_softcapping: float | None = None  # scores become c * tanh(scores / c)
+    final_logit_softcapping: float | None = None  # logits likewise
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -122,6 +155,19 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act must be one of {', '.join(HIDDEN_ACTS)}, got {self.hidden_act!r}")
+        for name in ("local_rope_theta", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                                      or not math.isfinite(value) or value <= 0):
+                raise ValueError(f"{name} must be a positive finite number or None, got {value!r}")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_layers or any(t not in LAYER_TYPES for t in self.layer_types):
+                raise ValueError(f"layer_types must give one of {', '.join(LAYER_TYPES)} for each of the "
+                                 f"{self.num_layers} layers, got {list(self.layer_types)!r}")
+            if SLIDING_ATTENTION in self.layer_types:
+                check_size(self.sliding_window, "sliding_window")
         if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2 or not self.rotary_dim:
             raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} must rotate an even, nonzero number "
                              f"of the head's {self.head_dim} channels")
@@ -136,6 +182,12 @@ class ModelConfig:
     def group_size(self) -> int:
         """Query heads per KV head (GQA)."""
         return self.num_heads // self.num_kv_heads
+
+    def windowed_layers(self, capacity: int) -> tuple[bool, ...]:
+        """Per layer, whether its window binds in a cache of `capacity` positions: a sliding-attention layer whose
+        window is shorter than the capacity. A window that never binds is full attention (Phi-3-128k's 262,144)."""
+        return tuple(t == SLIDING_ATTENTION and self.sliding_window < capacity
+                     for t in (self.layer_types or (FULL_ATTENTION,) * self.num_layers))
 
     @property
     def rotary_dim(self) -> int:
@@ -158,28 +210,25 @@ class ModelConfig:
         for key in ("num_key_value_heads", "head_dim", "max_position_embeddings"):
             if hf.get(key) is not None:
                 check_size(hf[key], key)
-        act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
-        if act not in ("silu", "swish"):
-            raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU) is implemented")
+        act = hf.get("hidden_activation") or hf.get("hidden_act") or ("gelu_pytorch_tanh" if family.gemma else "silu")
+        act = "silu" if act == "swish" else act
+        if act != ("gelu_pytorch_tanh" if family.gemma else "silu"):
+            raise ValueError(f"unsupported hidden_act {act!r} for model_type {model_type!r}; implemented: "
+                             f"{'gelu_pytorch_tanh (GeGLU)' if family.gemma else 'silu (SwiGLU)'}")
+        if hf.get("use_bidirectional_attention"):
+            raise ValueError("unsupported use_bidirectional_attention=True; only causal attention is implemented")
         if hf.get("mlp_bias"):
             raise ValueError("unsupported mlp_bias=True; MLP biases are not implemented")
         max_positions = int(hf.get("max_position_embeddings", 8192))
-        window = hf.get("sliding_window") if model_type in ("mistral", "phi3") else None
-        if hf.get("use_sliding_window") or (window and window < max_positions):
-            raise ValueError(
-                f"unsupported sliding_window={hf.get('sliding_window')!r}; sliding-window attention is not implemented "
-                f"(a window of at least max_position_embeddings={max_positions}, which never binds, is accepted)"
-            )
-        if hf.get("layer_types") and any(t != "full_attention" for t in hf["layer_types"]):
-            raise ValueError(f"unsupported layer_types {sorted(set(hf['layer_types']))}; only full_attention")
+        window, layer_types = _layer_types(hf, family)
         if hf.get("quantization_config"):
             method = hf["quantization_config"].get("quant_method", "?")
             raise ValueError(f"unsupported quantization_config (quant_method={method!r}); convert from unquantized weights")
 
         num_heads = hf["num_attention_heads"]
         hidden = hf["hidden_size"]
-        head_dim = hf.get("head_dim") or hidden // num_heads
-        rope_theta, rope_scaling = _parse_rope(hf)
+        head_dim = hf.get("head_dim") or family.head_dim or hidden // num_heads
+        rope_theta, rope_scaling, local_rope_theta = _parse_layer_ropes(hf, family)
 
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
@@ -197,14 +246,23 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_positions,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", family.tie_word_embeddings)),
             qkv_bias=bias(family.qkv_bias),
             o_bias=bias(family.o_bias),
             qk_norm=family.qk_norm,
             post_norms=family.post_norms,
             rope_interleaved=family.rope_interleaved,
             partial_rotary_factor=_partial_rotary_factor(hf),
-            sliding_window=int(window) if window else None,
+            layer_types=layer_types,
+            sliding_window=window,
+            local_rope_theta=local_rope_theta,
+            hidden_act=act,
+            norm_offset=1.0 if family.gemma else 0.0,
+            embed_scale=family.gemma,
+            query_pre_attn_scalar=(_number(hf.get("query_pre_attn_scalar", 256), "query_pre_attn_scalar")
+                                   if family.gemma else None),
+            attn_logit_softcapping=_optional_number(hf, "attn_logit_softcapping", family.attn_logit_softcapping),
+            final_logit_softcapping=_optional_number(hf, "final_logit_softcapping", family.final_logit_softcapping),
             model_type=model_type,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -230,6 +288,63 @@ def read_json_object(path: str) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise ValueError(f"{path!r} holds {type(obj).__name__} where a JSON object was expected")
     return obj
+
+
+def _layer_types(hf: dict[str, Any], family: Family) -> tuple[int | None, tuple[str, ...]]:
+    """(sliding_window, layer_types) as HF's model for the family reads them: () where every layer is full."""
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if family.windows == "none":
+        if types and any(t != FULL_ATTENTION for t in types):
+            raise ValueError(f"unsupported layer_types {sorted(set(map(str, types)))} for model_type "
+                             f"{hf.get('model_type')!r}: its layers attend in full")
+        return None, ()
+    window = hf.get("sliding_window", family.sliding_window)
+    if family.windows == "layer_types" and not hf.get("use_sliding_window", False):
+        window = None  # HF's Qwen2/Qwen3 configs drop the window unless use_sliding_window
+    if window is None and family.windows != "pattern":
+        return None, ()
+    check_size(window, "sliding_window")
+    if family.windows == "all":
+        return window, (SLIDING_ATTENTION,) * n
+    if types is None and family.windows == "pattern":
+        pattern = hf.get("sliding_window_pattern", family.window_pattern)
+        check_size(pattern, "sliding_window_pattern")
+        types = [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(n)]
+    if types is None:
+        first = hf.get("max_window_layers", 28)  # HF's rule: layers from max_window_layers on are windowed
+        if isinstance(first, bool) or not isinstance(first, numbers.Integral) or first < 0:
+            raise ValueError(f"max_window_layers must be an int >= 0, got {first!r}")
+        types = [SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(n)]
+    if not isinstance(types, (list, tuple)):
+        raise ValueError(f"layer_types must be a list, got {types!r}")
+    return window, tuple(types)
+
+
+def _optional_number(hf: dict[str, Any], key: str, default: float | None) -> float | None:
+    value = hf.get(key, default)
+    return None if value is None else _number(value, key)
+
+
+def _parse_layer_ropes(hf: dict[str, Any], family: Family) -> tuple[float, RopeScaling, float | None]:
+    """(rope_theta, rope_scaling, local_rope_theta): Gemma 3 gives its full and its sliding layers their own RoPE
+    (transformers>=5: `rope_parameters` keyed by layer type; before: `rope_theta`, `rope_scaling` and
+    `rope_local_base_freq`); other families one for all layers (local_rope_theta None)."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and FULL_ATTENTION in params:
+        local = params.get(SLIDING_ATTENTION) or {}
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"unsupported rope_type {local.get('rope_type')!r} for sliding_attention layers; only "
+                             "default")
+        theta, scaling = _parse_rope({**hf, "rope_parameters": params[FULL_ATTENTION]})
+        local_theta = local.get("rope_theta")
+    elif hf.get("model_type") == "gemma3_text":
+        theta, scaling = _parse_rope({"rope_theta": 1_000_000.0, **hf})
+        local_theta = hf.get("rope_local_base_freq", 10_000.0)
+    else:
+        theta, scaling = _parse_rope(hf)
+        return theta, scaling, None
+    return theta, scaling, _number(local_theta if local_theta is not None else 10_000.0, "local rope_theta")
 
 
 def _partial_rotary_factor(hf: dict[str, Any]) -> float:
@@ -353,6 +468,14 @@ SYNTHETIC_GEOMETRIES: dict[str, dict[str, Any]] = {
     "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
                      num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
                      max_position_embeddings=40960, qk_norm=True, model_type="qwen3"),
+    # Gemma 3 12B (text): five local layers (window 1024, RoPE base 10^4) to each global one (base 10^6, linear x8).
+    "gemma3-12b": dict(vocab_size=262208, hidden_size=3840, intermediate_size=15360, num_layers=48, num_heads=16,
+                       num_kv_heads=8, head_dim=256, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                       rope_scaling=RopeScaling("linear", 8.0), max_position_embeddings=131072,
+                       tie_word_embeddings=True, qk_norm=True, post_norms=True,
+                       layer_types=((SLIDING_ATTENTION,) * 5 + (FULL_ATTENTION,)) * 8, sliding_window=1024,
+                       local_rope_theta=10000.0, hidden_act="gelu_pytorch_tanh", norm_offset=1.0, embed_scale=True,
+                       query_pre_attn_scalar=256.0, model_type="gemma3_text"),
 }
 
 
@@ -365,4 +488,6 @@ def synthetic_config(name: str, layers: int | None = None) -> ModelConfig:
         if layers < 1:
             raise ValueError(f"layers must be >= 1, got {layers}")
         fields["num_layers"] = layers
+        if fields.get("layer_types"):
+            fields["layer_types"] = (fields["layer_types"] * layers)[:layers]  # the pattern, from layer 0 on
     return ModelConfig(**fields)

@@ -1,16 +1,17 @@
-"""A functional decoder for the Llama-shaped families (Llama, Mistral, Qwen2, Qwen3, GLM, GLM-4, Phi-3): RMSNorm,
-RoPE (default / linear / llama3; whole or partial, halves or interleaved pairs), GQA, SwiGLU; what a family changes
-is a field of `ModelConfig` (`config.FAMILIES`): q/k/v and output biases, per-head q/k norms, norms after the
-attention and the MLP.
+"""A functional decoder for the families it reads (Llama, Mistral, Qwen2, Qwen3, GLM, GLM-4, Phi-3, Gemma 2,
+Gemma 3): RMSNorm, RoPE (default / linear / llama3 / yarn / longrope / dynamic; whole or partial, halves or
+interleaved pairs), GQA, a gated MLP; what a family changes is a field of `ModelConfig` (`config.FAMILIES`): q/k/v
+and output biases, per-head q/k norms, norms after the attention and the MLP, Gemma's (1 + w) norms, scaled
+embeddings, GeGLU, score scale and soft-capping, and a RoPE base of its own for sliding layers.
 
 Parameters are a plain pytree (see `param_shapes`); every function here is pure and jit-able. Layers are
 stacked on a leading axis and run under `lax.scan`, so compile time does not grow with depth: one scan per
-group of the cache (`clusterkv_jax.cache`), all over the same layer body. How a layer stores its K/V and
-attends (to every token, or to what a KV policy selects) is `clusterkv_jax.attend`'s: the model hands each
-layer's q, k, v to the step it runs (`attend.Prefill`, `attend.PrefillChunk`, `attend.Decode`) and knows nothing
-of the policy. A group's store is carried through its scan whole and indexed by layer, so a decode step writes
-one row per layer in place instead of copying the cache. Norms, RoPE, softmax and logits are computed in
-float32.
+segment of the cache (`clusterkv_jax.cache`: a run of layers whose kinds repeat), all over the same layer body.
+How a layer stores its K/V and attends (to every token, to its window, or to what a KV policy selects) is
+`clusterkv_jax.attend`'s: the model hands each layer's q, k, v to the step it runs (`attend.Prefill`,
+`attend.PrefillChunk`, `attend.Decode`) and knows nothing of the policy. A group's store is carried through its
+scan whole and indexed by layer, so a decode step writes one row per layer in place instead of copying the cache.
+Norms, RoPE, softmax and logits are computed in float32.
 
 Shapes: B batch, T tokens, S cache capacity, D hidden, N query heads, K KV heads, G = N // K, H head dim,
 F MLP width, V vocabulary, L layers.
@@ -26,9 +27,10 @@ import jax.numpy as jnp
 
 from clusterkv_jax import attend as attend_module
 from clusterkv_jax import rope
+from clusterkv_jax.attention import softcap
 from clusterkv_jax.attend import PREFILL_BLOCK
 from clusterkv_jax.cache import KVCache, LayerGroup
-from clusterkv_jax.config import ModelConfig
+from clusterkv_jax.config import SLIDING_ATTENTION, ModelConfig
 
 Params = dict[str, Any]
 
@@ -83,11 +85,24 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Param
 # ----------------------------------------------------------------------------------------------------------
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm as HF computes it: normalise in float32, cast back, then scale."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm as HF computes it: normalise in float32, cast back, then scale by the weight (Llama); with an
+    `offset`, scale by (offset + weight) in float32, then cast back (Gemma's (1 + w))."""
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if offset:
+        return (x32 * (offset + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * x32.astype(x.dtype)
+
+
+def _norm(x: jax.Array, weight: jax.Array, config: ModelConfig) -> jax.Array:
+    return rms_norm(x, weight, config.rms_norm_eps, config.norm_offset)
+
+
+def _embed(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """Token embeddings [..., D]; Gemma scales them by sqrt(D) in their own dtype, as HF does."""
+    x = params["embed"][tokens]
+    return x * jnp.asarray(config.hidden_size ** 0.5, x.dtype) if config.embed_scale else x
 
 
 def rope_inv_freq(config: ModelConfig) -> jax.Array:
@@ -110,9 +125,14 @@ def _project_qkv(layer: Params, config: ModelConfig, x: jax.Array, cos_sin: tupl
     if "q_bias" in layer:
         q, k, v = q + layer["q_bias"], k + layer["k_bias"], v + layer["v_bias"]
     if "q_norm" in layer:
-        q, k = rms_norm(q, layer["q_norm"], config.rms_norm_eps), rms_norm(k, layer["k_norm"], config.rms_norm_eps)
+        q, k = _norm(q, layer["q_norm"], config), _norm(k, layer["k_norm"], config)
     rotate = functools.partial(rope.apply, cos=cos_sin[0], sin=cos_sin[1], interleaved=config.rope_interleaved)
-    return rotate(q), rotate(k), v
+    q = rotate(q)
+    if config.query_pre_attn_scalar is not None and config.query_pre_attn_scalar != config.head_dim:
+        # Attention divides q.k by sqrt(head_dim); Gemma divides by sqrt(query_pre_attn_scalar). A positive factor
+        # on q scales every score alike, so no ranking of keys by q (q.mu, q.k) changes.
+        q = q * jnp.asarray((config.head_dim / config.query_pre_attn_scalar) ** 0.5, q.dtype)
+    return q, rotate(k), v
 
 
 def _output_and_mlp(layer: Params, config: ModelConfig, x: jax.Array, attn: jax.Array) -> jax.Array:
@@ -121,23 +141,26 @@ def _output_and_mlp(layer: Params, config: ModelConfig, x: jax.Array, attn: jax.
     if "o_bias" in layer:
         out = out + layer["o_bias"]
     if "post_attn_norm" in layer:
-        out = rms_norm(out, layer["post_attn_norm"], config.rms_norm_eps)
+        out = _norm(out, layer["post_attn_norm"], config)
     x = x + out
-    h = rms_norm(x, layer["mlp_norm"], config.rms_norm_eps)
+    h = _norm(x, layer["mlp_norm"], config)
     gate = jnp.einsum("BTD,DF->BTF", h, layer["gate"])
     up = jnp.einsum("BTD,DF->BTF", h, layer["up"])
-    mlp = jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, layer["down"])
+    act = jax.nn.silu(gate) if config.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
+    mlp = jnp.einsum("BTF,FD->BTD", act * up, layer["down"])
     if "post_mlp_norm" in layer:
-        mlp = rms_norm(mlp, layer["post_mlp_norm"], config.rms_norm_eps)
+        mlp = _norm(mlp, layer["post_mlp_norm"], config)
     return x + mlp
 
 
 def _logits(params: Params, config: ModelConfig, x: jax.Array) -> jax.Array:
     """Final norm and LM head: x [..., D] -> float32 logits [..., V]."""
-    x = rms_norm(x, params["final_norm"], config.rms_norm_eps)
+    x = _norm(x, params["final_norm"], config)
     if config.tie_word_embeddings:
-        return jnp.einsum("...D,VD->...V", x, params["embed"], preferred_element_type=jnp.float32)
-    return jnp.einsum("...D,DV->...V", x, params["lm_head"], preferred_element_type=jnp.float32)
+        logits = jnp.einsum("...D,VD->...V", x, params["embed"], preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("...D,DV->...V", x, params["lm_head"], preferred_element_type=jnp.float32)
+    return softcap(logits, config.final_logit_softcapping)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -148,50 +171,69 @@ def _logits(params: Params, config: ModelConfig, x: jax.Array) -> jax.Array:
 def _layer(layer: Params, config: ModelConfig, x: jax.Array, cos_sin, attend):
     """One decoder layer. attend(q [B, T, N, H], k, v [B, T, K, H]) -> (attention output [B, T, N, H], *extra)
     stores the new K/V and attends; returns (x after attention and MLP, extra)."""
-    h = rms_norm(x, layer["attn_norm"], config.rms_norm_eps)
+    h = _norm(x, layer["attn_norm"], config)
     q, k, v = _project_qkv(layer, config, h, cos_sin)
     attn, *extra = attend(q, k, v)
     return _output_and_mlp(layer, config, x, attn), extra
 
 
-def _run_layers(params: Params, config: ModelConfig, groups: tuple[LayerGroup, ...], x: jax.Array,
-                positions: jax.Array, seq_lens: jax.Array, step) -> tuple[jax.Array, tuple[LayerGroup, ...]]:
+def _run_layers(params: Params, config: ModelConfig, cache: KVCache, x: jax.Array, positions: jax.Array,
+                seq_lens: jax.Array, step, groups: tuple[LayerGroup, ...] | None = None
+                ) -> tuple[jax.Array, tuple[LayerGroup, ...]]:
     """Runs every layer on x [B, T, D] at positions [B, T] of sequences of lengths seq_lens [B] (what RoPE types
-    that depend on the length read), group by group (one `lax.scan` each); `step` (from `clusterkv_jax.attend`)
-    stores and attends. Returns x and the groups with their new stores and states.
+    that depend on the length read), segment by segment of the cache (one `lax.scan` over each segment's repeats,
+    its period's layers unrolled in the body); `step` (from `clusterkv_jax.attend`) stores and attends. `groups`
+    replaces `cache.groups` (a chunked prefill carries them). Returns x and the groups with their new stores and
+    states.
 
     A group's stacked states ride in the scan's carry, like its store, and a layer's state is written back only
     when the step says it changed (on the CPU, under a `lax.cond`): most decode steps change no policy state, and
     writing every layer's state back each step is a visible part of a small model's step on the CPU (RESULTS.md).
     Elsewhere the write always runs: a conditional that returns the carry may make XLA:GPU copy it whole."""
     cos_sin = rope.tables(config, positions, seq_lens)
-    out = []
-    for group in groups:
-        def body(carry, i, group=group):
-            x, store, states = carry
+    local_cos_sin = rope.local_tables(config, positions, seq_lens) if config.local_rope_theta else cos_sin
+    local = [config.local_rope_theta is not None and t == SLIDING_ATTENTION for t in config.layer_types]
+    groups = list(cache.groups if groups is None else groups)
+    for seg in cache.segments:
+        ids = sorted({g for g, _ in seg.slots})  # the segment's groups
+        per_period = {g: sum(1 for h, _ in seg.slots if h == g) for g in ids}
+
+        def body(carry, r, seg=seg, ids=ids, per_period=per_period):
+            x, stores, states = carry
+            stores, states = dict(zip(ids, stores)), dict(zip(ids, states))
 
             def at(tree, index):
                 return jax.tree.map(lambda p: jax.lax.dynamic_index_in_dim(p, index, keepdims=False), tree)
 
-            # Indexed inside the body (not scanned over a slice), so no group copies the weights.
-            layer, state = at(params["layers"], group.start + i), at(states, i)
-            x, (store, state, changed) = _layer(layer, config, x, cos_sin,
-                                                lambda q, k, v: step.attend(group, i, store, state, q, k, v))
+            for m, (g, occurrence) in enumerate(seg.slots):
+                group, i = groups[g], r * per_period[g] + occurrence  # i: the layer inside its group's store
+                # Indexed inside the body (not scanned over a slice), so no segment copies the weights.
+                layer, state = at(params["layers"], seg.start + r * seg.period + m), at(states[g], i)
+                # A slot's layers share their RoPE: the segment repeats kinds, and a kind says which.
+                x, (stores[g], state, changed) = _layer(
+                    layer, config, x, local_cos_sin if local and local[seg.start + m] else cos_sin,
+                    lambda q, k, v, group=group, i=i, store=stores[g], state=state:
+                        step.attend(group, i, store, state, q, k, v))
 
-            def write(states):
-                return jax.tree.map(lambda s, new: jax.lax.dynamic_update_index_in_dim(s, new, i, 0), states, state)
+                def write(states, i=i, state=state):
+                    return jax.tree.map(lambda s, new: jax.lax.dynamic_update_index_in_dim(s, new, i, 0), states,
+                                        state)
 
-            if changed is None:
-                states = write(states)
-            else:
-                states = jax.lax.platform_dependent(
-                    states, cpu=lambda s: jax.lax.cond(changed, write, lambda s: s, s), default=write)
-            return (x, store, states), None
+                if changed is None:
+                    states[g] = write(states[g])
+                else:
+                    states[g] = jax.lax.platform_dependent(
+                        states[g], cpu=lambda s, write=write, changed=changed: jax.lax.cond(changed, write,
+                                                                                           lambda s: s, s),
+                        default=write)
+            return (x, tuple(stores[g] for g in ids), tuple(states[g] for g in ids)), None
 
-        (x, store, state), _ = jax.lax.scan(body, (x, group.store, group.state),
-                                            jnp.arange(group.num_layers, dtype=jnp.int32))
-        out.append(group.replace(store=store, state=state))
-    return x, tuple(out)
+        (x, stores, states), _ = jax.lax.scan(
+            body, (x, tuple(groups[g].store for g in ids), tuple(groups[g].state for g in ids)),
+            jnp.arange(seg.reps, dtype=jnp.int32))
+        for g, store, state in zip(ids, stores, states):
+            groups[g] = groups[g].replace(store=store, state=state)
+    return x, tuple(groups)
 
 
 def forward_prefill(
@@ -222,9 +264,9 @@ def forward_prefill(
         def run_chunk(groups, c):
             start = c * chunk
             positions = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
-            step = attend_module.PrefillChunk(policy, lengths, S, start, T)
-            x = params["embed"][jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1)]
-            x, groups = _run_layers(params, config, groups, x, positions, lengths, step)
+            step = attend_module.PrefillChunk(policy, lengths, S, start, T, config.attn_logit_softcapping)
+            x = _embed(params, config, jax.lax.dynamic_slice_in_dim(tokens, start, chunk, axis=1))
+            x, groups = _run_layers(params, config, cache, x, positions, lengths, step, groups)
             return groups, x
 
         groups, xs = jax.lax.scan(run_chunk, cache.groups, jnp.arange(T // chunk, dtype=jnp.int32))
@@ -232,8 +274,8 @@ def forward_prefill(
         groups = attend_module.index_prompt(policy, groups, lengths, S, T)
     else:
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        x, groups = _run_layers(params, config, cache.groups, params["embed"][tokens], positions, lengths,
-                                attend_module.Prefill(policy, lengths, S))
+        x, groups = _run_layers(params, config, cache, _embed(params, config, tokens), positions, lengths,
+                                attend_module.Prefill(policy, lengths, S, config.attn_logit_softcapping))
     if all_logits:
         logits = _logits(params, config, x)
     else:
@@ -251,8 +293,9 @@ def forward_decode(
     cache: KVCache,
 ) -> tuple[jax.Array, KVCache]:
     """Appends one token per sequence at position `cache.lengths` and returns its logits [B, V]."""
-    step = attend_module.Decode(policy, cache.lengths, cache.prompt_lengths, cache.capacity)
-    x, groups = _run_layers(params, config, cache.groups, params["embed"][tokens][:, None], cache.lengths[:, None],
+    step = attend_module.Decode(policy, cache.lengths, cache.prompt_lengths, cache.capacity,
+                                config.attn_logit_softcapping)
+    x, groups = _run_layers(params, config, cache, _embed(params, config, tokens)[:, None], cache.lengths[:, None],
                             cache.lengths + 1, step)
     logits = _logits(params, config, x[:, 0])
     return logits, cache.replace(groups=groups, lengths=cache.lengths + 1)

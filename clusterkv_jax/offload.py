@@ -497,12 +497,12 @@ class HostLayer(LayerView):
 def hit_rates(cache) -> list[float | None]:
     """Per model layer: the fraction of selected rows served from the device recall cache (None for layers
     that select nothing or keep their KV on the device)."""
-    rates: list[float | None] = []
+    rates: list[float | None] = [None] * sum(g.num_layers for g in cache.groups)
     for group in cache.groups:
         recall = getattr(group.store, "recall", None)
         if recall is None:
-            rates += [None] * group.num_layers
             continue
         hits, selected = jax.device_get((recall.hits, recall.selected))
-        rates += [float(h / s) if s else None for h, s in zip(hits, selected)]
+        for layer, h, s in zip(group.layers, hits, selected):
+            rates[layer] = float(h / s) if s else None
     return rates

@@ -13,12 +13,13 @@ Shapes: B batch, T tokens, r = rotary_dim / 2 frequencies.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 
-from clusterkv_jax.config import ModelConfig
+from clusterkv_jax.config import ModelConfig, RopeScaling
 
 #: RoPE types whose frequencies depend on the sequence's length.
 LENGTH_DEPENDENT = ("longrope", "dynamic")
@@ -90,6 +91,15 @@ def tables(config: ModelConfig, positions: jax.Array, seq_lens: jax.Array) -> tu
     angles = positions[..., None].astype(jnp.float32) * freq
     factor = config.rope_scaling.attention_factor
     return jnp.cos(angles) * factor, jnp.sin(angles) * factor
+
+
+def local_tables(config: ModelConfig, positions: jax.Array, seq_lens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`tables` for the sliding layers of a model that gives them their own RoPE base (Gemma 3:
+    `local_rope_theta`, default RoPE); the global tables where it does not."""
+    if config.local_rope_theta is None:
+        return tables(config, positions, seq_lens)
+    local = dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=RopeScaling())
+    return tables(local, positions, seq_lens)
 
 
 def apply(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool = False) -> jax.Array:

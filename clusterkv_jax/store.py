@@ -47,6 +47,7 @@ R rows, H head dim.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import flax.struct
 import jax
@@ -76,10 +77,11 @@ class KVStore:
         return self.k.shape[0]
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes of the store's arrays, split by the memory their fields declare."""
+        """Bytes of the store's arrays, split by the memory their fields declare (also of an abstract store, from
+        `jax.eval_shape`)."""
         out = {"device": 0, "host": 0}
         for x, a in zip(jax.tree_util.tree_leaves(self), jax.tree_util.tree_leaves(axes.of(self))):
-            out["host" if a.host else "device"] += x.nbytes
+            out["host" if a.host else "device"] += math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
         return out
 
 

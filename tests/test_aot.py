@@ -153,11 +153,12 @@ def test_offloaded_decode_does_not_stage_the_host_store_on_the_device(target, po
     assert added(2 * CONTEXT) - added(CONTEXT) < grown / 2
 
 
-@pytest.mark.parametrize("geometry", ["glm4-9b", "qwen3-8b"])
+@pytest.mark.parametrize("geometry", ["glm4-9b", "qwen3-8b", "gemma3-12b"])
 def test_family_geometries_compile_with_the_pallas_kernels(target, geometry):
-    """GLM-4-9B (partial interleaved RoPE, 16 query heads a KV head) and Qwen3-8B (per-head q/k norms): ClusterKV's
-    decode step compiles with the Pallas kernels (Triton or Mosaic) on the target."""
-    config = synthetic_config(geometry, layers=3)
+    """GLM-4-9B (partial interleaved RoPE, 16 query heads a KV head), Qwen3-8B (per-head q/k norms) and Gemma 3 12B
+    (five windowed layers, then a global one that selects): ClusterKV's decode step compiles with the Pallas kernels
+    (Triton or Mosaic) on the target."""
+    config = synthetic_config(geometry, layers=6 if geometry == "gemma3-12b" else 3)
     programs = aot.model_programs(config, {"p": ClusterKV(budget=256, kernels="pallas")}, device=target, batch=1,
                                   context=CONTEXT)
     assert programs[0].kernels == _named(("centroid_update", "cluster_to_block_index", "selected_attention"), target)

@@ -21,7 +21,7 @@ from clusterkv_jax.config import ModelConfig
 from clusterkv_jax.generate import decode_step, generate, prefill
 from clusterkv_jax.loading import Model
 from clusterkv_jax.model import apply_rope, init_params, rope_inv_freq
-from clusterkv_jax.policies import FullKV, InfiniGen, OracleTopK, Quest, SnapKV, StreamingLLM
+from clusterkv_jax.policies import ClusterKV, FullKV, InfiniGen, OracleTopK, Quest, SnapKV, StreamingLLM
 from tests.helpers import generation_programs
 
 CONFIG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
@@ -405,3 +405,25 @@ def test_generate_compiles_once(policy):
     for result in (first, second):
         assert [len(t) for t in result.tokens] == [12, 12]
         assert all(0 <= tok < CONFIG.vocab_size for t in result.tokens for tok in t)
+
+
+@pytest.mark.parametrize("policy", [QUEST, ORACLE, INFINIGEN,
+                                    ClusterKV(budget=24, sinks=4, tokens_per_cluster=8, full_layers=1)],
+                         ids=lambda p: type(p).__name__)
+def test_gemmas_score_selects_what_q_dot_k_selects(policy):
+    """Gemma scores q.k / sqrt(query_pre_attn_scalar), soft-capped (Gemma 2): a positive factor on q and the
+    monotone cap. The model hands policies q times that factor (`model._project_qkv`), so each selection must be
+    the one the unscaled q makes; and the keys the capped score ranks first are the ones q.k ranks first."""
+    for layer in range(policy.full_layers, CONFIG.num_layers):
+        state, q, keys, lengths, prompt_lengths = layer_inputs(policy, layer, seed=layer)
+        plain = selected_sets(*policy.selected_positions(state, q, keys, lengths, prompt_lengths))
+        for factor in (0.25, (16 / 24) ** 0.5, 3.0):
+            scaled = selected_sets(*policy.selected_positions(state, q * factor, keys, lengths, prompt_lengths))
+            assert [[sorted(h) for h in b] for b in scaled] == [[sorted(h) for h in b] for b in plain], factor
+    q_np, keys_np = np.asarray(q, np.float64), np.repeat(np.asarray(keys, np.float64), G, axis=1)
+    raw = np.einsum("bnh,bnsh->bns", q_np, keys_np)
+    capped = 5.0 * np.tanh(raw * (16 / 24) ** 0.5 / np.sqrt(CONFIG.head_dim) / 5.0)
+    for b in range(3):
+        n = int(lengths[b])
+        for h in range(CONFIG.num_heads):
+            assert set(np.argsort(-raw[b, h, :n])[:16]) == set(np.argsort(-capped[b, h, :n])[:16])

@@ -172,7 +172,7 @@ def test_step_given_its_selection_is_the_step(policy):
     q = jax.random.normal(jax.random.PRNGKey(1), (B, CFG.num_heads, CFG.head_dim), jnp.float32)
     empty = (DeviceKV.create(1, B, CFG.num_kv_heads, policy.store_rows(cap), CFG.head_dim, jnp.float32),
              policy.init_state(one, B, cap))
-    group = LayerGroup(store=None, state=None, start=0, selecting=True)
+    group = LayerGroup(store=None, state=None, layers=(0,), attention="selecting")
     store, state = write_prompt_layer(policy, group, *empty, jnp.int32(0), k, v, lengths, cap)
     selection = policy.select(state, q, None, lengths, lengths)
     own = decode_selecting(policy, state, q, store.layer(jnp.int32(0), cap), lengths, lengths)

@@ -102,7 +102,7 @@ def test_clusters_partition_the_prompt_past_the_sinks():
                 assert len(members) <= max(1, (L - 4) // 8)
     # Layers below full_layers are never clustered: they hold no cluster index at all.
     assert cache.policy_state.sizes.shape[0] == CFG.num_layers - 2
-    assert all(g.state is None for g in cache.groups if g.start < 2)
+    assert all(g.state is None for g in cache.groups if g.layers[0] < 2)
 
 
 def test_selection_is_ranked_clusters_with_the_last_trimmed():

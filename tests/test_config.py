@@ -57,9 +57,13 @@ def test_families_map_to_fields():
         ({"rope_parameters": {"rope_type": "proportional", "rope_theta": 1e4, "factor": 2.0}}, "'proportional'"),
         ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [1.0] * 4,
                            "original_max_position_embeddings": 32}}, "need 8 values each"),
-        ({"model_type": "phi3", "sliding_window": 2047}, "sliding_window"),
+        ({"model_type": "phi3", "sliding_window": 0}, "sliding_window must be an int"),
         ({"model_type": "glm", "partial_rotary_factor": 0.1}, "partial_rotary_factor"),
-        ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4096}, "sliding_window"),
+        ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64,
+          "layer_types": ["chunked_attention"] * 2}, "layer_types must give one of"),
+        ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64, "max_window_layers": -1},
+         "max_window_layers"),
+        ({"layer_types": ["sliding_attention"] * 2, "sliding_window": 64}, "model_type 'llama': its layers attend"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"mlp_bias": True}, "mlp_bias"),
         ({"num_attention_heads": 4, "num_key_value_heads": 3}, "multiple"),
@@ -72,20 +76,27 @@ def test_unsupported_fields_are_refused_by_name(override, message):
         ModelConfig.from_hf_dict({**BASE, **override})
 
 
-def test_a_sliding_window_that_never_binds_is_accepted():
-    """Phi-3-mini-128k says sliding_window=262144 with max_position_embeddings=131072: attention is global for every
-    sequence the model takes, so it loads; a cache that could outgrow the window is refused."""
+def test_layer_types_as_hf_reads_them():
+    """Which layers are windowed, as HF's model of each family decides: Mistral and Phi-3 window every layer (Mistral
+    by default with 4096), Qwen2 only with use_sliding_window (layers from max_window_layers on, unless layer_types
+    says); a window that never binds in a cache (>= its capacity, as Phi-3-128k's 262,144) is full attention."""
     from clusterkv_jax import FullKV, init_cache
 
+    sliding, full = "sliding_attention", "full_attention"
+    n = BASE["num_hidden_layers"]
     phi3 = ModelConfig.from_hf_dict({**BASE, "model_type": "phi3", "max_position_embeddings": 256,
                                      "sliding_window": 512})
-    assert phi3.sliding_window == 512
-    assert init_cache(phi3, FullKV(), 1, 512).capacity == 512
-    with pytest.raises(ValueError, match="sliding_window=512"):
-        init_cache(phi3, FullKV(), 1, 640)
-    with pytest.raises(ValueError, match="at least max_position_embeddings=256"):
-        ModelConfig.from_hf_dict({**BASE, "model_type": "mistral", "max_position_embeddings": 256,
-                                  "sliding_window": 255})
+    assert (phi3.sliding_window, phi3.layer_types) == (512, (sliding,) * n)
+    assert {g.attention for g in init_cache(phi3, FullKV(), 1, 512).groups} == {"full"}
+    assert {g.attention for g in init_cache(phi3, FullKV(), 1, 640).groups} == {"windowed"}
+    assert ModelConfig.from_hf_dict({**BASE, "model_type": "mistral"}).sliding_window == 4096
+    assert ModelConfig.from_hf_dict({**BASE, "model_type": "mistral", "sliding_window": None}).layer_types == ()
+    qwen2 = {**BASE, "model_type": "qwen2", "sliding_window": 64, "max_window_layers": 1}
+    assert ModelConfig.from_hf_dict(qwen2).layer_types == ()  # use_sliding_window is off
+    assert ModelConfig.from_hf_dict({**qwen2, "use_sliding_window": True}).layer_types == (full,) + (sliding,) * (n - 1)
+    given = (sliding, full) * (n // 2)
+    assert ModelConfig.from_hf_dict({**qwen2, "use_sliding_window": True, "layer_types": given}).layer_types == given
+    assert ModelConfig.from_hf_dict({**BASE, "layer_types": [full] * n}).layer_types == ()
 
 
 @pytest.mark.parametrize("field, value", [

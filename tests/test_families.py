@@ -37,6 +37,22 @@ CASES = {
                                      "original_max_position_embeddings": 64, "sliding_window": 256}, 24),
     "llama-dynamic": ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0},
                                 "max_position_embeddings": 64}, 100),
+    # Sliding windows that bind: every layer (Mistral), and interleaved with full layers (Qwen2's layer_types);
+    # prompts several windows long.
+    "mistral-window": ("mistral", {"sliding_window": 40}, 150),
+    "qwen2-window": ("qwen2", {"use_sliding_window": True, "sliding_window": 40, "num_hidden_layers": 4,
+                               "layer_types": ["sliding_attention", "full_attention"] * 2}, 150),
+    # Gemma 2: local and global layers alternate, scores and logits soft-capped (caps lowered from 50 and 30 so
+    # that they bind), query_pre_attn_scalar != head_dim.
+    "gemma2": ("gemma2", {"sliding_window": 40, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 5.0,
+                          "final_logit_softcapping": 10.0}, 150),
+    # Gemma 3: two local layers to each global one here, q/k norms, local RoPE base, linear scaling on global layers.
+    "gemma3": ("gemma3_text", {"sliding_window": 40, "query_pre_attn_scalar": 24, "num_hidden_layers": 6,
+                               "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
+                               "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                      "rope_theta": 1e6},
+                                                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+               150),
 }
 NEW = 32
 pytestmark = pytest.mark.filterwarnings("ignore:no tokenizer.json")
@@ -79,7 +95,7 @@ def test_logits_and_greedy_tokens_equal_hf(case):
     with torch.no_grad():
         want = hf(torch.tensor([ids])).logits[0].double().numpy()
         greedy = hf.generate(torch.tensor([ids]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
-    tokens = np.zeros((1, 128), np.int32)
+    tokens = np.zeros((1, 128 if len(ids) <= 128 else 256), np.int32)
     tokens[0, :len(ids)] = ids
     cache = ckv.init_cache(ours.config, ckv.FullKV(), 1, 256)
     logits, _ = ckv.prefill(ours.params, tokens, np.array([len(ids)], np.int32), cache, config=ours.config,
@@ -107,6 +123,61 @@ def test_ragged_batch_equals_each_prompt_alone(case):
 
 
 
+def test_windowed_layers_hold_their_window_whatever_the_context():
+    """Gemma 3 12B's pattern (48 layers, five windowed to each full one): each windowed layer holds W rows at a 4k
+    and a 32k capacity; a full layer grows with the capacity; the model scans one segment of 8 repeats of 6 layers."""
+    config = ckv.ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=48, num_heads=4,
+                             num_kv_heads=2, head_dim=16, max_position_embeddings=32768, sliding_window=1024,
+                             layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 8)
+    row = 2 * config.num_kv_heads * config.head_dim * 4  # K and V, float32
+    for capacity in (4096, 32768):
+        for policy in (ckv.FullKV(), ckv.ClusterKV(budget=256, full_layers=0)):
+            layers = ckv.layer_kv_bytes(ckv.init_cache(config, policy, 1, capacity))
+            for i, layer in enumerate(layers):
+                windowed = config.layer_types[i] == "sliding_attention"
+                assert layer["attention"] == ("windowed" if windowed else "full" if policy.full_layers else "selecting")
+                want = row * (config.sliding_window if windowed else policy.store_rows(capacity))
+                assert layer["device"] == want, (capacity, i)
+    cache = ckv.init_cache(config, ckv.ClusterKV(budget=256, full_layers=0), 1, 4096)
+    assert [(s.start, s.period, s.reps) for s in cache.segments] == [(0, 6, 8)]
+    # Runs where a period would trace more layers: two full layers, then selecting ones.
+    assert ckv.cache.segments(["F", "F"] + ["S"] * 30) == [(0, 1, 2), (2, 1, 30)]
+    # Gemma 3 with its first full layer kept whole: runs of W and F, then (W5 S) seven times.
+    assert ckv.cache.segments((["W"] * 5 + ["F"]) + (["W"] * 5 + ["S"]) * 7) == [(0, 1, 5), (5, 1, 1), (6, 6, 7)]
+    # A window as long as the capacity never binds: the layer attends in full (and selects).
+    assert {g.attention for g in ckv.init_cache(config, ckv.ClusterKV(full_layers=0), 1, 1024).groups} == {"selecting"}
+
+
+def test_a_long_prompt_through_windowed_layers_equals_hf(tmp_path):
+    """A prompt of 1,100 tokens, 11 windows: the blocked prefill (query blocks of 512 visit only the key blocks in
+    their window) and a prefill in chunks of 512 (each chunk over the ring and itself) equal HF's logits at every
+    position; decoding on from either cache gives HF's greedy tokens; a ragged batch in chunks equals each prompt
+    alone."""
+    hf = _hf_model("qwen2", {"use_sliding_window": True, "sliding_window": 100, "max_position_embeddings": 2048,
+                             "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]})
+    hf.save_pretrained(tmp_path / "hf")
+    convert_hf(tmp_path / "hf", tmp_path / "ours", dtype="float32")
+    ours = ckv.load_model(tmp_path / "ours")
+    ids = np.random.default_rng(7).integers(0, TINY["vocab_size"], 1100).tolist()
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0].double().numpy()
+        greedy = hf.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    tokens = np.zeros((1, 1536), np.int32)
+    tokens[0, :len(ids)] = ids
+    for chunk in (None, 512):
+        cache = ckv.init_cache(ours.config, ckv.FullKV(), 1, 2048)
+        logits, _ = ckv.prefill(ours.params, tokens, np.array([len(ids)], np.int32), cache, config=ours.config,
+                                policy=ckv.FullKV(), all_logits=True, chunk=chunk)
+        got = np.asarray(logits)[0, :len(ids)]
+        assert np.abs(got - want).max() < 1e-4 * max(1.0, np.abs(want).max()), chunk
+        out = ckv.generate(ours, ids, 8, stop_at_eos=False, max_length=2048, prefill_chunk=chunk).tokens[0]
+        assert out == greedy[0, len(ids):].tolist(), chunk
+    # A ragged batch in chunks: the shorter prompt's padded positions never reach its ring.
+    prompts = [ids, ids[:700]]
+    batch = ckv.generate(ours, prompts, 8, stop_at_eos=False, max_length=2048, prefill_chunk=512).tokens
+    assert batch == [ckv.generate(ours, p, 8, stop_at_eos=False, max_length=2048).tokens[0] for p in prompts]
+
+
 @pytest.mark.parametrize("case", ["qwen3", "glm", "glm4"], indirect=True)
 def test_clusters_are_made_of_hfs_cached_keys(case):
     """What clustering sees is what HF caches: post-RoPE keys after any q/k norm (Qwen3), partial interleaved RoPE
@@ -118,7 +189,7 @@ def test_clusters_are_made_of_hfs_cached_keys(case):
     with torch.no_grad():
         cached = hf(torch.tensor([ids]), use_cache=True).past_key_values
     policy = ckv.ClusterKV(budget=24, **SMALL)
-    tokens = np.zeros((1, 128), np.int32)
+    tokens = np.zeros((1, 128 if len(ids) <= 128 else 256), np.int32)
     tokens[0, :len(ids)] = ids
     cache = ckv.init_cache(ours.config, policy, 1, 256)
     _, cache = ckv.prefill(ours.params, tokens, np.array([len(ids)], np.int32), cache, config=ours.config,

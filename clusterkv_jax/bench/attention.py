@@ -16,7 +16,7 @@ from clusterkv_jax import attention
 from clusterkv_jax.attend import decode_selecting, write_prompt_layer
 from clusterkv_jax.bench.measure import compiled, timed
 from clusterkv_jax.bench.synthetic import synthetic_kv
-from clusterkv_jax.cache import LayerGroup
+from clusterkv_jax.cache import SELECTING, LayerGroup
 from clusterkv_jax.config import ModelConfig
 from clusterkv_jax.generate import bucket_length, cache_capacity
 from clusterkv_jax.policies import KVPolicy
@@ -55,7 +55,7 @@ def bench_attention(config: ModelConfig, policies: dict[str, KVPolicy], contexts
     `repeats` calls; every step, and the step given its selection, is timed right after a full-attention call (a
     program that reads the whole layer, as the layers before do in a model), the select after the given step.
     Policies that select in no layer of `config` (full KV) are timed once, as "full"."""
-    one_layer = dataclasses.replace(config, num_layers=1)
+    one_layer = dataclasses.replace(config, num_layers=1, layer_types=())  # one full-attention layer
     results: dict[str, Any] = {"contexts": {}, "batch": batch, "dtype": str(jnp.dtype(dtype)),
                                "geometry": {"num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads,
                                             "head_dim": config.head_dim}}
@@ -80,7 +80,7 @@ def bench_attention(config: ModelConfig, policies: dict[str, KVPolicy], contexts
                 sample = jax.random.normal(jax.random.PRNGKey(seed + 2), (batch, N, n, H), jnp.float32)
                 state = policy.observe_queries(state, sample, jnp.ones((batch, n), bool))
             empty = (DeviceKV.create(1, batch, config.num_kv_heads, policy.store_rows(capacity), H, dtype), state)
-            group = LayerGroup(store=None, state=None, start=0, selecting=True)
+            group = LayerGroup(store=None, state=None, layers=(0,), attention=SELECTING)
             # The store and index a prefill of this prompt leaves, in the policy's layout.
             index = jax.jit(lambda e, k, v, n, p=policy: write_prompt_layer(p, group, *e, jnp.int32(0), k, v, n,
                                                                               capacity))

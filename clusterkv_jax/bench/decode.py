@@ -30,7 +30,7 @@ from clusterkv_jax.bench.measure import compiled, timed
 from clusterkv_jax.bench.report import format_decode_context
 from clusterkv_jax.bench.roofline import step_bytes
 from clusterkv_jax.bench.synthetic import synthetic_kv, synthetic_prefill
-from clusterkv_jax.cache import KVCache, init_cache, kv_bytes
+from clusterkv_jax.cache import SELECTING, KVCache, init_cache, kv_bytes, layer_kinds
 from clusterkv_jax.config import ModelConfig
 from clusterkv_jax.policies import make_policy
 from clusterkv_jax.generate import bucket_length, cache_capacity, decode_step, prefill
@@ -87,15 +87,14 @@ def indexing_seconds(config: ModelConfig, policy: KVPolicy, keys: jax.Array, len
     """The policy's indexing (`after_prefill`: ClusterKV's clustering) of its selecting layers, timed alone:
     keys [n, B, K, S, H] of those layers after a prefill. The median of `repeats` runs (one run of ~1 s varied
     by +-15% on a shared machine, which moved the clustering's share of prefill across its 5% target)."""
-    first = policy.full_layers
-    state = policy.init_states(config, keys.shape[1], keys.shape[3], range(first, first + keys.shape[0]))
+    state = policy.init_states(config, keys.shape[1], keys.shape[3], selecting_layers(config, policy, keys.shape[3]))
     fn = jax.jit(lambda s, k: jax.lax.map(lambda a: policy.after_prefill(a[0], a[1], lengths), (s, k)))
     exe, _ = compiled(fn, state, keys)
     return statistics.median(timed(exe, state, keys)[1] for _ in range(repeats))
 
 
-def selecting_layers(config: ModelConfig, policy: KVPolicy) -> range:
-    return range(min(policy.full_layers, config.num_layers), config.num_layers)
+def selecting_layers(config: ModelConfig, policy: KVPolicy, capacity: int) -> list[int]:
+    return [i for i, kind in enumerate(layer_kinds(config, policy, capacity)) if kind.attention == SELECTING]
 
 
 @dataclasses.dataclass
@@ -169,7 +168,7 @@ def bench_decode(
         # Each policy's indexing alone, on the prompt keys full KV stored (the keys every policy indexes).
         full_cache = runs["full"].cache
         for name, policy in policies.items():
-            if layers := selecting_layers(config, policy):
+            if layers := selecting_layers(config, policy, full_cache.capacity):
                 keys = jnp.stack([full_cache.layer_kv(layer)[0] for layer in layers])
                 runs[name].info["indexing_s"] = indexing_seconds(config, policy, keys, full_cache.lengths)
         del kv

@@ -21,8 +21,9 @@ def hf_config(config: ModelConfig):
     """A transformers LlamaConfig with our config's geometry (Llama / Mistral layouts: no biases)."""
     from transformers import LlamaConfig
 
-    if config.qkv_bias or config.o_bias:
-        raise ValueError("--compare-hf supports models without attention biases (Llama, Mistral)")
+    if config.qkv_bias or config.o_bias or config.model_type not in ("llama", "mistral") or config.layer_types:
+        raise ValueError("--compare-hf supports Llama and Mistral models without attention biases or sliding "
+                         "windows")
     rope: dict[str, Any] = {"rope_type": config.rope_scaling.rope_type, "rope_theta": config.rope_theta}
     s = config.rope_scaling
     if s.rope_type == "linear":

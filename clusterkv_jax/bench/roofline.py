@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 
+from clusterkv_jax.cache import FULL, SELECTING, WINDOWED, layer_kinds
 from clusterkv_jax.config import ModelConfig
 
 
@@ -12,16 +13,18 @@ def step_bytes(config: ModelConfig, params, policy, context: int, batch: int, re
     """Bytes one decode step must read at `context` tokens: the weights (the embedding table only at the batch's
     tokens unless it is also the LM head), the KV it attends (whole layers for full layers; for a selecting layer
     the policy's selection per selection head, plus `recent` unindexed tokens per KV head), and the policy's
-    index (`metadata_bytes`: centroids, page bounds)."""
+    index (`metadata_bytes`: centroids, page bounds). A windowed layer reads its window."""
     c = config
     embed = params["embed"]
     param_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
     weights = param_bytes - (0 if c.tie_word_embeddings else embed.nbytes - batch * embed[0].nbytes)
     row = 2 * c.head_dim * kv_itemsize  # one token's K and V in one head
-    full_layers = min(policy.full_layers, c.num_layers)
-    kv = full_layers * batch * c.num_kv_heads * context * row
+    kinds = [k.attention for k in layer_kinds(c, policy, context)]
+    full_layers, selecting = kinds.count(FULL), kinds.count(SELECTING)
+    rows = full_layers * context + kinds.count(WINDOWED) * min(c.sliding_window or 0, context)
+    kv = rows * batch * c.num_kv_heads * row
     meta = 0
-    if selecting := c.num_layers - full_layers:
+    if selecting:
         _, heads, chunks, chunk = policy.selection_shape(c, batch, context)
         # Each selection head reads its selection (whole chunks); the window is read once per KV head (shared by
         # its query heads).

@@ -53,7 +53,7 @@ class RecallProbe(KVPolicy):
     def init_states(self, config, batch_size, capacity, layers):
         n, P = len(layers), len(self.policies)
         return ProbeState(
-            layer=jnp.arange(layers.start, layers.stop, dtype=jnp.int32),
+            layer=jnp.asarray(tuple(layers), jnp.int32),
             inner=tuple(p.init_states(config, batch_size, capacity, layers) for p in self.policies),
             token_recall=jnp.zeros((n, P), jnp.float32),
             mass_recall=jnp.zeros((n, P), jnp.float32),

@@ -36,13 +36,17 @@ from __future__ import annotations
 import dataclasses
 import math
 from numbers import Integral, Real
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from clusterkv_jax.config import ModelConfig
 from clusterkv_jax.selection import Selection
+
+
+#: The help of every policy's `full_layers`.
+FULL_LAYERS_HELP = "the model's first layers attend to every token (windowed layers keep their window)"
 
 
 def option(default: Any, help: str, *, least: float | None = None, choices: tuple | None = None,
@@ -59,7 +63,8 @@ class KVPolicy:
     #: The name on the command line and in the results ("clusterkv"); "" for a policy the command line does not
     #: offer.
     name: ClassVar[str] = ""
-    #: Layers [0, full_layers) attend to every token; the policy selects in layers [full_layers, L).
+    #: Layers [0, full_layers) attend to every token; the policy selects in layers [full_layers, L). A windowed
+    #: (sliding-attention) layer does neither: it attends to its window (`clusterkv_jax.cache`).
     full_layers: int = 0
     #: Keep the K/V of the layers this policy selects in host memory (`pinned_host`; see clusterkv_jax.offload).
     offload: bool = False
@@ -134,8 +139,9 @@ class KVPolicy:
         """One layer's empty state: a pytree of arrays."""
         raise NotImplementedError
 
-    def init_states(self, config: ModelConfig, batch_size: int, capacity: int, layers: range) -> Any:
-        """The states of model layers `layers`, stacked on a leading axis (the scan hands each layer its own)."""
+    def init_states(self, config: ModelConfig, batch_size: int, capacity: int, layers: Sequence[int]) -> Any:
+        """The states of model layers `layers` (a group's), stacked on a leading axis (the scan hands each layer
+        its own)."""
         one = self.init_state(config, batch_size, capacity)
         return jax.tree.map(lambda x: jnp.broadcast_to(x, (len(layers),) + x.shape), one)
 

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from clusterkv_jax import axes, kernels
 from clusterkv_jax.kmeans import cosine_kmeans, problem_keys
 from clusterkv_jax.ops import top_k_indices
-from clusterkv_jax.policies.base import KVPolicy, option
+from clusterkv_jax.policies.base import FULL_LAYERS_HELP, KVPolicy, option
 from clusterkv_jax.policies.common import ring_window_mask
 from clusterkv_jax.selection import Selection
 from pallas_kernels import centroid_update_reference
@@ -174,7 +174,7 @@ class ClusterKV(KVPolicy):
     decode_interval: int = option(320, "generated tokens attended in full until this many are clustered together",
                                   least=1)
     decode_clusters: int = option(4, "clusters made of each decode_interval generated tokens", least=1)
-    full_layers: int = option(2, "the first layers attend to every token", least=0)
+    full_layers: int = option(2, FULL_LAYERS_HELP, least=0)
     max_iters: int = option(11, "K-means iterations at most", least=1, flag="kmeans-iters")
     kmeans_tol: float = option(0.0, "K-means stops once at most this fraction of keys changed cluster (0: none "
                                     "moved)", least=0.0)

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from clusterkv_jax import axes
 from clusterkv_jax.ops import top_k_indices
-from clusterkv_jax.policies.base import PromptBudgetPolicy, option
+from clusterkv_jax.policies.base import FULL_LAYERS_HELP, PromptBudgetPolicy, option
 from clusterkv_jax.policies.common import keep_observed
 from clusterkv_jax.selection import Selection
 
@@ -61,7 +61,7 @@ class InfiniGen(PromptBudgetPolicy):
     budget: int = option(1024, "prompt tokens attended per step", least=1)
     partial_ratio: float = option(0.3, "fraction of the head dim scored per token (the skewed channels)")
     sample: int = option(64, "the prompt's last queries the skewing basis is fitted to", least=1)
-    full_layers: int = option(2, "the first layers attend to every token", least=0)
+    full_layers: int = option(2, FULL_LAYERS_HELP, least=0)
 
     def __post_init__(self):
         super().__post_init__()

@@ -10,7 +10,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from clusterkv_jax.ops import top_k_indices
-from clusterkv_jax.policies.base import PromptBudgetPolicy, StatelessPolicy, option
+from clusterkv_jax.policies.base import FULL_LAYERS_HELP, PromptBudgetPolicy, StatelessPolicy, option
 from clusterkv_jax.selection import Selection
 
 
@@ -29,7 +29,7 @@ class OracleTopK(StatelessPolicy, PromptBudgetPolicy):
 
     name = "oracle"
     budget: int = option(1024, "prompt tokens attended per step", least=1)
-    full_layers: int = option(2, "the first layers attend to every token", least=0)
+    full_layers: int = option(2, FULL_LAYERS_HELP, least=0)
     reads_all_keys = True  # it scores every prompt key at every step
 
     def select(self, state, q, keys, lengths, prompt_lengths):

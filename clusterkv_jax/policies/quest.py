@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from clusterkv_jax import axes
 from clusterkv_jax.ops import top_k_indices
-from clusterkv_jax.policies.base import KVPolicy, option
+from clusterkv_jax.policies.base import FULL_LAYERS_HELP, KVPolicy, option
 from clusterkv_jax.selection import Selection
 
 
@@ -59,7 +59,7 @@ class Quest(KVPolicy):
     page_size: int = option(16, "tokens per page", least=1)
     sinks: int = option(0, "always select the pages of the first N tokens (0: none, as in the Quest paper)",
                         least=0)
-    full_layers: int = option(2, "the first layers attend to every token", least=0)
+    full_layers: int = option(2, FULL_LAYERS_HELP, least=0)
     offload: bool = option(False, "keep the selecting layers' K/V in host memory")
     recall_steps: int = option(1, "offload: the device keeps the pages selected in the last N steps", least=0)
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from clusterkv_jax import axes
 from clusterkv_jax.ops import top_k_indices
-from clusterkv_jax.policies.base import PromptBudgetPolicy, option
+from clusterkv_jax.policies.base import FULL_LAYERS_HELP, PromptBudgetPolicy, option
 from clusterkv_jax.policies.common import keep_observed
 from clusterkv_jax.selection import Selection
 
@@ -48,7 +48,7 @@ class SnapKV(PromptBudgetPolicy):
     budget: int = option(1024, "prompt tokens kept, the observation window included", least=1)
     window: int = option(32, "the prompt's last tokens whose queries vote (kept whole)", least=1)
     pool_size: int = option(5, "votes are average-pooled over this many tokens (odd)", least=1)
-    full_layers: int = option(2, "the first layers attend to every token", least=0)
+    full_layers: int = option(2, FULL_LAYERS_HELP, least=0)
 
     def __post_init__(self):
         super().__post_init__()

@@ -9,7 +9,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from clusterkv_jax.policies.base import StatelessPolicy, option
+from clusterkv_jax.policies.base import FULL_LAYERS_HELP, StatelessPolicy, option
 from clusterkv_jax.policies.common import expand_heads, recent_window, sink_slots
 from clusterkv_jax.selection import Selection
 
@@ -29,7 +29,7 @@ class StreamingLLM(StatelessPolicy):
     name = "streaming"
     budget: int = option(1024, "tokens attended per step: the sinks and the most recent ones", least=1)
     sinks: int = option(16, "first tokens always attended (attention sinks)", least=0)
-    full_layers: int = option(2, "the first layers attend to every token", least=0)
+    full_layers: int = option(2, FULL_LAYERS_HELP, least=0)
 
     def __post_init__(self):
         super().__post_init__()
