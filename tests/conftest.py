@@ -14,18 +14,23 @@ import clusterkv_jax  # noqa: E402, F401
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _release_compiled_programs():
-    """Drops jax's compiled programs after each test module. XLA:CPU maps ~3 memory regions per executable, and
-    the suite compiles thousands (interpret-mode kernels, property tests over shapes): in one process they
-    reached the kernel's vm.max_map_count (65,530) and LLVM segfaulted while compiling."""
-    yield
+def release_compiled_programs():
+    """Drops jax's compiled programs. XLA:CPU maps ~3 memory regions per executable, and the suite compiles
+    thousands (interpret-mode kernels, property tests over shapes, a model per family): in one process they reached
+    the kernel's vm.max_map_count (65,530) and LLVM segfaulted while compiling."""
     import gc
 
     import jax
 
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """After each test module (`release_compiled_programs`)."""
+    yield
+    release_compiled_programs()
 
 
 @pytest.fixture(scope="session")

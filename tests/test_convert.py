@@ -391,7 +391,7 @@ def test_hf_unexpected_tensor_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("override, message", [
-    ({"model_type": "gemma2"}, "unsupported model_type 'gemma2'"),
+    ({"model_type": "gpt_neox"}, "unsupported model_type 'gpt_neox'"),
     ({"rope_scaling": {"rope_type": "proportional", "factor": 4.0}}, "unsupported rope scaling type 'proportional'"),
 ])
 def test_hf_unsupported_config_is_refused(tmp_path, override, message):

@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 import clusterkv_jax as ckv  # noqa: E402
 from checkpoints_convert import convert_hf  # noqa: E402
+from tests.conftest import release_compiled_programs  # noqa: E402
 from tests.helpers import GGUF_GLOBAL, GGUF_NAMES  # noqa: E402
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
@@ -57,6 +58,14 @@ CASES = {
 NEW = 32
 pytestmark = pytest.mark.filterwarnings("ignore:no tokenizer.json")
 SMALL = dict(sinks=4, tokens_per_cluster=8, decode_interval=16, decode_clusters=2, full_layers=1)
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_programs_after_each_test():
+    """Every case is a model of its own with its own programs (~25 per test): kept for the whole module they passed
+    the kernel's vm.max_map_count (65,530 memory maps) at the 32nd test and XLA segfaulted while compiling."""
+    yield
+    release_compiled_programs()
 
 
 def _hf_model(model_type: str, overrides: dict):
