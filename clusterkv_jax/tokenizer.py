@@ -65,14 +65,38 @@ def _token_str(value: Any) -> str | None:
     return value
 
 
+def _chat_template(value: Any, source: str) -> str | None:
+    """tokenizer_config.json's chat_template: a string, or a list of {"name", "template"} from which, as
+    transformers does, the one named "default" is used."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str)
+                                       and isinstance(t.get("template"), str) for t in value):
+        named = {t["name"]: t["template"] for t in value}
+        if "default" in named:
+            return named["default"]
+        raise ValueError(f"the chat templates in {source} are named {', '.join(named)}; none is named 'default', "
+                         "the one chat=True uses")
+    raise ValueError(f"chat_template in {source} must be a string or a list of {{'name', 'template'}} objects, "
+                     f"got {type(value).__name__}")
+
+
 class Tokenizer:
     """Wraps `tokenizer.json` plus the special tokens and chat template of `tokenizer_config.json`."""
 
-    def __init__(self, tokenizer: tokenizers.Tokenizer, tokenizer_config: dict[str, Any] | None = None):
+    def __init__(self, tokenizer: tokenizers.Tokenizer, tokenizer_config: dict[str, Any] | None = None,
+                 source: str = "tokenizer_config.json"):
         self._tok = tokenizer
         cfg = tokenizer_config or {}
         self.config = cfg
-        self.chat_template: str | None = cfg.get("chat_template")
+        #: Where the chat template came from, for errors that name it.
+        self.chat_template_source = source
+        # A malformed template is reported when chat=True needs it, not when the model loads.
+        self._template_error: str | None = None
+        try:
+            self.chat_template: str | None = _chat_template(cfg.get("chat_template"), source)
+        except ValueError as e:
+            self.chat_template, self._template_error = None, str(e)
         self.bos_token = _token_str(cfg.get("bos_token"))
         self.eos_token = _token_str(cfg.get("eos_token"))
         self.pad_token = _token_str(cfg.get("pad_token"))
@@ -83,16 +107,26 @@ class Tokenizer:
         if not os.path.isfile(tok_path):
             raise FileNotFoundError(f"no tokenizer.json in {os.fspath(path)!r}")
         cfg: dict[str, Any] = {}
-        cfg_path = os.path.join(path, "tokenizer_config.json")
+        cfg_path = source = os.path.join(path, "tokenizer_config.json")
         if os.path.isfile(cfg_path):
-            with open(cfg_path) as f:
-                cfg = json.load(f)
+            try:
+                with open(cfg_path, encoding="utf-8") as f:
+                    cfg = json.load(f)
+            except (ValueError, UnicodeDecodeError) as e:
+                raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
+            if not isinstance(cfg, dict):
+                raise ValueError(f"{cfg_path} must hold a JSON object, got {type(cfg).__name__}")
         # transformers>=4.43 may keep the template in its own file.
         jinja_path = os.path.join(path, "chat_template.jinja")
         if "chat_template" not in cfg and os.path.isfile(jinja_path):
-            with open(jinja_path) as f:
-                cfg["chat_template"] = f.read()
-        return cls(tokenizers.Tokenizer.from_file(tok_path), cfg)
+            with open(jinja_path, encoding="utf-8") as f:
+                cfg["chat_template"], source = f.read(), jinja_path
+        try:
+            tok = tokenizers.Tokenizer.from_file(tok_path)
+        except Exception as e:  # noqa: BLE001 -- tokenizers raises a bare Exception for a damaged file
+            raise ValueError(f"{tok_path} cannot be read by the tokenizers library (truncated or not a "
+                             f"tokenizer.json): {e}") from None
+        return cls(tok, cfg, source)
 
     @property
     def vocab_size(self) -> int:
@@ -117,6 +151,8 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """Renders `messages` with the checkpoint's chat template (sandboxed jinja2, as in transformers), within
         `TEMPLATE_MAX_CHARS` of output and `TEMPLATE_MAX_SECONDS` (TemplateLimitError past either)."""
+        if self._template_error:
+            raise ValueError(self._template_error)
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat_template; pass plain text instead of chat=True")
         for m in messages:
@@ -128,7 +164,11 @@ class Tokenizer:
 
         env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
-        template = env.from_string(self.chat_template)
+        try:
+            template = env.from_string(self.chat_template)
+        except jinja2.exceptions.TemplateSyntaxError as e:
+            raise ValueError(f"the chat template in {self.chat_template_source} does not compile (line {e.lineno}): "
+                             f"{e.message}") from None
         parts, size = [], 0
         with _time_limit(TEMPLATE_MAX_SECONDS):
             # Rendered piece by piece, so output past the limit stops the template instead of filling memory.

@@ -175,6 +175,14 @@ def test_library_arguments_of_the_wrong_kind_are_refused_by_name(tiny_model):
     for bad, message in (("float64", "needs 64-bit JAX"), ("int8", "dtype must be one of")):
         with pytest.raises(ValueError, match=message):
             load_model(tiny_model, dtype=bad)
+    for bad in (512.0, "512"):  # 512.0 ran as 512; "512" was "'<=' not supported between 'str' and 'int'"
+        with pytest.raises(TypeError, match="prefill_chunk must be an int"):
+            generate(model, [1, 2, 3], 2, prefill_chunk=bad)
+    for bad in ("abc", 1.5, 2**40):  # "abc": "Value 'abc' with dtype <U3 is not a valid JAX array type"
+        with pytest.raises(TypeError, match="seed must be an int"):
+            generate(model, [1, 2, 3], 2, seed=bad)
+    with pytest.raises(ValueError, match="chat=True wraps text in the chat template; prompt 0 is token ids"):
+        generate(model, [1, 2, 3], 2, chat=True)  # was ignored
     keys, valid = jnp.ones((1, 10, 4)), jnp.ones((1, 10), bool)
     with pytest.raises(ValueError, match="max_clusters must be a positive int"):
         cosine_kmeans(keys, valid, jnp.array([0]), problem_keys(jax.random.PRNGKey(0), 1), max_clusters=0)
@@ -463,3 +471,247 @@ def test_sizes_past_int32_and_bad_capacities_are_named():
             init_cache(config, ClusterKV(), 1, bad)
     with pytest.raises(ValueError, match="batch_size must be an int from 1"):
         init_cache(config, ClusterKV(), 0, 64)
+
+
+def test_caches_past_the_machine_are_refused_before_allocating(tiny_model, monkeypatch):
+    """init_cache(capacity=10**9) was RESOURCE_EXHAUSTED "allocating 23040000000000 bytes"; ClusterKV(decode_interval=
+    10**6) on a 200-token prompt passed 8 GB and was OOM-killed (its store keeps decode_interval rows). A cache
+    larger than the machine is now refused from its shapes alone, in well under a second and without memory, naming
+    the largest array; the bytes it counts are the bytes init_cache allocates (checked at the limit)."""
+    import resource
+    import time
+
+    import jax
+
+    from clusterkv_jax import cache as cache_module
+    from clusterkv_jax import generate, load_model
+    from clusterkv_jax.config import synthetic_config
+    from clusterkv_jax.policies import ClusterKV, FullKV, Quest
+
+    model = load_model(tiny_model)
+    config = synthetic_config("smollm2-135m")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for run, message in (
+            (lambda: cache_module.init_cache(config, FullKV(), 1, 10**9),
+             r"a cache for 1 sequence\(s\) of capacity 1000000000 \(FullKV\) needs [\d,.]+ GB of device"),
+            (lambda: generate(model, [1, 2, 3], 2, ClusterKV(budget=16, decode_interval=2**31 - 1, full_layers=0)),
+             r"\(ClusterKV\) needs .*\(largest array \.groups\[0\]\.store\.\w of shape \(2, 1, 2, 2147\d+, 4\)"),
+            (lambda: generate(model, [1, 2, 3], 2, Quest(budget=2**30, page_size=2**30, full_layers=0)),
+             r"\(Quest\) needs"),
+            (lambda: generate(model, [1, 2, 3], 2, ClusterKV(budget=16, block_size=2**30, full_layers=0)),
+             r"\(ClusterKV\) needs")):
+        start = time.monotonic()
+        with pytest.raises(ValueError, match=message) as refused:
+            run()
+        assert "GB this machine has" in str(refused.value)
+        assert time.monotonic() - start < 1.0
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 1 << 20  # KiB: under 1 GiB more
+
+    # The accounting, against the arrays init_cache returns: on device, and offloaded (host memory counted apart).
+    small = synthetic_config("smollm2-135m", layers=4)
+    for policy in (ClusterKV(budget=64), FullKV(offload=True)):
+        monkeypatch.undo()
+        built = cache_module.init_cache(small, policy, 2, 512)
+        hosted = [x.nbytes for x in jax.tree.leaves(built) if x.sharding.memory_kind not in (None, "device")]
+        on_device = sum(x.nbytes for x in jax.tree.leaves(built)) - sum(hosted)
+        cases = [(on_device, sum(hosted), True), (on_device - 1, sum(hosted), False)]
+        cases += [(on_device, sum(hosted) - 1, False)] if hosted else []
+        for device, host, fits in cases:
+            monkeypatch.setattr(cache_module, "memory_limits",
+                                lambda d=device, h=host: {"device": d, "host": h, "shared": False})
+            if fits:
+                cache_module.init_cache(small, policy, 2, 512)
+            else:
+                with pytest.raises(ValueError, match="GB of (device|host) memory"):
+                    cache_module.init_cache(small, policy, 2, 512)
+
+
+def test_damaged_tokenizers_templates_and_data_name_their_file(tiny_model, tmp_path):
+    """A truncated tokenizer.json said "EOF while parsing a value at line 249 column 4"; a chat template that does
+    not compile "Can't compile non template nodes" (an int, HF's list of named templates) or jinja2's message alone;
+    a bad LongBench JSONL line "Expecting property name enclosed in double quotes"; a model without tokenizer.json
+    advised passing token ids, which the CLI cannot. Each names the file (and line) now; HF's list of named
+    templates uses the one named "default", as transformers does."""
+    from clusterkv_jax.tokenizer import Tokenizer
+
+    truncated = _copy_model(tiny_model, tmp_path / "truncated")
+    path = os.path.join(truncated, "tokenizer.json")
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2])
+    assert_one_line_error(run_cli("generate", "--model", truncated, "--prompt", "hi"),
+                          "tokenizer.json", "cannot be read by the tokenizers library")
+    untokenized = _copy_model(tiny_model, tmp_path / "untokenized")
+    os.remove(os.path.join(untokenized, "tokenizer.json"))
+    assert_one_line_error(run_cli("generate", "--model", untokenized, "--prompt", "hi"),
+                          "untokenized", "has no tokenizer.json", "copy the checkpoint's tokenizer.json")
+
+    templated = _copy_model(tiny_model, tmp_path / "templated")
+    config_path = os.path.join(templated, "tokenizer_config.json")
+    config = json.load(open(config_path)) if os.path.exists(config_path) else {}
+
+    def with_template(template):
+        json.dump(dict(config, chat_template=template), open(config_path, "w"))
+        return Tokenizer.from_dir(templated)
+
+    message = [{"role": "user", "content": "hi"}]
+    json.dump(dict(config, chat_template="{% for m in messages %}"), open(config_path, "w"))
+    assert_one_line_error(run_cli("generate", "--model", templated, "--prompt", "hi", "--chat"),
+                          "the chat template in", "tokenizer_config.json does not compile (line 1)")
+    with pytest.raises(ValueError, match="chat_template in .*tokenizer_config.json must be a string or a list"):
+        with_template(5).apply_chat_template(message)
+    named = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "<{{ messages[0]['content'] }}>"}]
+    assert with_template(named).apply_chat_template(message) == "<hi>"
+    with pytest.raises(ValueError, match="named tool_use, rag; none is named 'default'"):
+        with_template(named[:1] + [{"name": "rag", "template": "R"}]).apply_chat_template(message)
+    assert with_template(5).encode("word") == Tokenizer.from_dir(tiny_model).encode("word")  # loads; chat refused
+
+    data_dir = tmp_path / "longbench"
+    data_dir.mkdir()
+    good = json.dumps({"input": "q", "context": "word " * 10, "answers": ["a"], "length": 10})
+    (data_dir / "qasper.jsonl").write_text(good + "\n{not json\n")
+    assert_one_line_error(run_cli("eval", "longbench", "--model", tiny_model, "--data-dir", str(data_dir),
+                                  "--tasks", "qasper", "--budgets", "16", "--policies", "full", "--max-length", "64"),
+                          "qasper.jsonl:2: not a JSON object")
+    (data_dir / "qasper.jsonl").write_bytes(good.encode() + b"\n\xff\xfe\n")
+    assert_one_line_error(run_cli("eval", "longbench", "--model", tiny_model, "--data-dir", str(data_dir),
+                                  "--tasks", "qasper", "--budgets", "16", "--policies", "full", "--max-length", "64"),
+                          "qasper.jsonl is not UTF-8 text")
+
+
+def test_misleading_advice_is_gone(tiny_model, tmp_path):
+    """`--model` at an HF checkpoint advised converting into that same directory (which the converter refuses);
+    $CLUSTERKV_DEMO_DOCUMENT naming an empty file or a directory silently fell back to the built-in document; a
+    destination under /proc named the staging path."""
+    src = write_tiny_hf(tmp_path / "hf")
+    target = os.path.normpath(src) + "-clusterkv"
+    assert_one_line_error(run_cli("generate", "--model", src, "--prompt", "hi"), "is a Hugging Face checkpoint",
+                          f"python -m checkpoints_convert hf {src} {target}, then pass --model {target}")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    for document, message in ((empty, "is empty"), (tmp_path, "is a directory")):
+        proc = subprocess.run([sys.executable, "-m", "clusterkv_jax.cli", "demo", "--model", tiny_model],
+                              capture_output=True, text=True, cwd=REPO_ROOT, timeout=300,
+                              env={**os.environ, "PYTHONPATH": REPO_ROOT, "CLUSTERKV_DEMO_DOCUMENT": str(document)})
+        assert_one_line_error(proc, "$CLUSTERKV_DEMO_DOCUMENT", str(document), message)
+    assert_one_line_error(run_cli("demo", "--model", tiny_model, "--document", "nosuch.txt"),
+                          "--document file 'nosuch.txt' does not exist")
+    assert_one_line_error(run_cli("hf", src, "/proc/clusterkv-out", module="checkpoints_convert"),
+                          "cannot write the destination '/proc/clusterkv-out'")
+
+    # eval recall on a model whose layers all attend in full failed with "'NoneType' object has no attribute
+    # 'token_recall'" after the work.
+    from clusterkv_jax import load_model
+    from clusterkv_jax.eval.recall import run_recall
+
+    with pytest.raises(ValueError, match="the model has 2 layers and clusterkv attend.* no layer selects"):
+        run_recall(load_model(tiny_model), list(range(200)), context=96, steps=4, budgets=[40],
+                   policy_names=["clusterkv"], progress=False)
+
+
+# ---- Ctrl-C ----------------------------------------------------------------------------------------------------
+
+
+def _interrupted(cmd: list[str], *, delay: float = 0.0, once: bytes | None = None, env=None, timeout: float = 300):
+    """Runs `cmd` and sends it SIGINT `delay` seconds after it starts, or once its stderr matches the regex `once`.
+    Returns (exit code, stdout, stderr, seconds from the signal to the exit, whether the signal was sent)."""
+    import re
+    import signal
+    import threading
+    import time
+
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT, **(env or {})}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=REPO_ROOT)
+    streams = {"out": bytearray(), "err": bytearray()}
+
+    def pump(source, sink):
+        for piece in iter(lambda: source.read1(4096), b""):
+            sink.extend(piece)
+
+    readers = [threading.Thread(target=pump, args=(proc.stdout, streams["out"]), daemon=True),
+               threading.Thread(target=pump, args=(proc.stderr, streams["err"]), daemon=True)]
+    for reader in readers:
+        reader.start()
+    deadline = time.monotonic() + timeout
+    if once is not None:
+        while proc.poll() is None and not re.search(once, bytes(streams["err"])) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    else:
+        time.sleep(delay)
+    sent = proc.poll() is None
+    if sent:
+        proc.send_signal(signal.SIGINT)
+    signalled = time.monotonic()
+    try:
+        proc.wait(timeout=max(deadline - time.monotonic(), 30))
+    finally:
+        proc.kill()
+    seconds = time.monotonic() - signalled
+    for reader in readers:
+        reader.join(10)
+    return proc.returncode, streams["out"].decode(), streams["err"].decode(errors="replace"), seconds, sent
+
+
+def test_ctrl_c_stops_a_long_generation_within_seconds_and_keeps_its_text(smollm2_converted_dir):
+    """`clusterkv generate --max-new-tokens 2000`: SIGINT took effect after 105 s, when the compiled decode loop
+    ended, and printed no text. The loop now returns to Python about once a second: SIGINT during decoding ends the
+    command within a few seconds, exit 130, after printing the text generated so far, which is what generating
+    that many tokens uninterrupted gives."""
+    import re
+
+    from clusterkv_jax import generate, load_model
+    from clusterkv_jax.generate import INTERRUPT_SECONDS
+
+    prompt = "The history of the kingdom, told year by year, from the first king onwards:"
+    code, out, err, seconds, sent = _interrupted(
+        [sys.executable, "-m", "clusterkv_jax.cli", "generate", "--model", smollm2_converted_dir, "--prompt", prompt,
+         "--max-new-tokens", "3000"], once=rb"generating: .*?\b([2-9]\d|\d{3,})/3000")
+    assert sent, f"generate ended before 20 tokens: {code} {err[-500:]}"
+    assert code == 130, (code, err[-2000:])
+    assert seconds < INTERRUPT_SECONDS + 3, seconds
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == "clusterkv: interrupted"
+    count = int(re.search(r"clusterkv generate: interrupted after (\d+) generated tokens", err).group(1))
+    assert 20 <= count < 3000
+    reference = generate(load_model(smollm2_converted_dir), prompt, count, stop_at_eos=False)
+    assert len(reference.tokens[0]) == count
+    assert out == reference.texts[0] + "\n"
+
+
+def test_ctrl_c_at_any_point_ends_with_one_line_and_130(tiny_model, tmp_path):
+    """SIGINT during `eval recall` exited with SIGSEGV after printing "clusterkv: interrupted" in 3 of 7 tries
+    (Python's teardown under JAX's running threads), and during a conversion's imports it printed a
+    KeyboardInterrupt traceback. At every point tried (imports, loading, compiling, running) each command now ends
+    with its one line and 130, or finishes; an interrupted conversion leaves nothing on disk."""
+    import tokenizers
+
+    text = os.path.join(os.path.dirname(tiny_model), "text.txt")
+    model = _copy_model(tiny_model, tmp_path / "model")
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
+    words.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()  # a token per word of the text
+    words.save(os.path.join(model, "tokenizer.json"))
+    recall = [sys.executable, "-m", "clusterkv_jax.cli", "eval", "recall", "--model", model, "--text", text,
+              "--context", "96", "--steps", "4", "--budgets", "40", "--policies", "clusterkv,quest", "--full-layers", "1",
+              "--quest-full-layers", "1"]
+    interrupted = 0
+    for delay in (0.05, 0.3, 1.0, 2.0, 3.5, 5.0):
+        code, _, err, _, sent = _interrupted(recall, delay=delay)
+        assert "Traceback" not in err, (delay, err[-3000:])
+        if sent and code == 130:
+            interrupted += 1
+            assert err.strip().splitlines()[-1] == "clusterkv: interrupted", (delay, err[-1000:])
+        else:
+            assert code == 0, (delay, code, err[-2000:])  # finished before the signal; never a crash
+    assert interrupted >= 4
+
+    src = write_tiny_hf(tmp_path / "src")
+    for delay in (0.05, 0.3, 1.0, 2.0, 3.0):
+        out = tmp_path / f"out-{delay}"
+        code, _, err, _, sent = _interrupted(
+            [sys.executable, "-m", "checkpoints_convert", "hf", src, str(out)], delay=delay)
+        assert "Traceback" not in err, (delay, err[-3000:])
+        if code == 130:
+            assert err.strip().splitlines()[-1] == "interrupted: nothing was written"
+            assert not out.exists()
+        else:
+            assert code == 0 and (out / "params").is_dir(), (delay, code, err[-2000:])
+        assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n], os.listdir(tmp_path)

@@ -105,7 +105,7 @@ def cmd_decode(args) -> int:
         hf_model = hf_model_from_params(config, params, args.dtype)
     results = bench_decode(params, config, policies, args.context, decode=args.decode, batch=args.batch,
                            prompt_fn=prompt_fn, synthetic_seed=args.seed, bandwidth_Bps=bandwidth, hf_model=hf_model,
-                           mesh=mesh)
+                           mesh=mesh, decode_loop=args.decode_loop)
     results["model"] = label
     results["offload"] = args.offload
     return _report(results, args, "decode", format_decode(results), f"decode speed: {label}, batch {args.batch}")
@@ -175,6 +175,9 @@ def register(sub) -> None:
                      "over devices (see README, Multiple devices)")
     dec.add_argument("--compare-hf", action="store_true",
                      help="also time HF transformers' full-KV decode of the same weights (needs torch)")
+    dec.add_argument("--decode-loop", action="store_true",
+                     help="also time generate's decode loop as one program and in the chunks that let Ctrl-C stop "
+                          "it (the cost of stopping within a second)")
     att = bench_parser("attention", "one layer's decode attention alone: full vs select + gather + attend",
                        cmd_attention, [8000, 16000, 32000], "full,clusterkv,quest")
     att.add_argument("--repeats", type=positive_int, default=20)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import sys
+import time
 from typing import Any, Callable
 
 import jax
@@ -33,7 +34,8 @@ from clusterkv_jax.bench.synthetic import synthetic_kv, synthetic_prefill
 from clusterkv_jax.cache import SELECTING, KVCache, init_cache, kv_bytes, layer_kinds
 from clusterkv_jax.config import ModelConfig
 from clusterkv_jax.policies import make_policy
-from clusterkv_jax.generate import bucket_length, cache_capacity, decode_step, prefill
+from clusterkv_jax.generate import (INTERRUPT_SECONDS, Sampling, bucket_length, cache_capacity, decode_in_chunks,
+                                    decode_step, prefill, start_generation)
 from clusterkv_jax.offload import hit_rates
 from clusterkv_jax.policies import FullKV, KVPolicy
 
@@ -106,6 +108,57 @@ class _Run:
     info: dict[str, Any]
 
 
+def decode_loop_seconds(params, config: ModelConfig, policy: KVPolicy, prompts: np.ndarray, decode: int, *,
+                        repeats: int = 5, rules=None) -> dict[str, Any]:
+    """`generate`'s decode loop (`decode_generation`, no EOS: `decode` tokens) from the same prefilled state, as
+    one program and in the chunks `generate` runs so that Ctrl-C stops it (`decode_in_chunks`), alternated for
+    `repeats` rounds after a warm-up round (its compiles): ms per token of each (median of the rounds), the chunks
+    per loop and the chunked loop's cost over the one-program loop (the median of each round's ratio: the two runs
+    of a round are adjacent in time, so the machine's drift cancels)."""
+    B, T = prompts.shape
+    bucket = bucket_length(T)
+    tokens = np.zeros((B, bucket), np.int32)
+    tokens[:, :T] = prompts
+    lengths = np.full((B,), T, np.int32)
+    tokens_in, lengths_in = jnp.asarray(tokens), jnp.asarray(lengths)
+    if rules is not None:
+        tokens_in, lengths_in = sh.shard_batch(tokens, rules), sh.shard_batch(lengths, rules)
+    sampling, eos, pad = Sampling.make(), jnp.zeros((0,), jnp.int32), jnp.int32(0)
+    dtype = jax.tree_util.tree_leaves(params)[0].dtype
+    statics = dict(config=config, policy=policy, max_new_tokens=decode, sharding=rules)
+    modes = {"one_program": None, "chunked": INTERRUPT_SECONDS}
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    chunks: list[int] = []
+    prefilled = jax.block_until_ready(start_generation(
+        params, tokens_in, lengths_in, sampling, jax.random.PRNGKey(0), eos, pad,
+        capacity=cache_capacity(bucket, decode), cache_dtype=dtype, **statics))
+    calls: list[int] = []
+
+    def count_call(out, counts) -> None:
+        calls.append(1)
+
+    for round_ in range(repeats + 1):
+        for mode in (list(modes) if round_ % 2 == 0 else list(modes)[::-1]):  # neither always goes first
+            # A copy in the same placement (host memory kinds too): each run donates its state.
+            loop = jax.block_until_ready(jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False),
+                                                      prefilled))
+            calls.clear()
+            start = time.perf_counter()
+            loop = decode_in_chunks(params, loop, sampling, eos, pad, seconds=modes[mode], on_chunk=count_call,
+                                    **statics)
+            jax.block_until_ready(loop.out)
+            if round_:  # round 0 compiles
+                times[mode].append((time.perf_counter() - start) / (decode - 1))
+                if mode == "chunked":
+                    chunks.append(len(calls))
+            del loop
+    one, chunked = (statistics.median(times[m]) for m in modes)
+    cost = statistics.median(c / o - 1 for o, c in zip(times["one_program"], times["chunked"]))
+    return {"one_program_ms": 1e3 * one, "chunked_ms": 1e3 * chunked, "chunks": statistics.median(chunks),
+            "chunked_cost": cost, "chunked_cost_rounds": [c / o - 1 for o, c in zip(*times.values())],
+            "rounds": repeats, "chunk_seconds": INTERRUPT_SECONDS}
+
+
 def bench_decode(
     params,
     config: ModelConfig,
@@ -120,13 +173,16 @@ def bench_decode(
     hf_model: Any = None,
     mesh: Any = None,
     progress: bool = True,
+    decode_loop: bool = False,
 ) -> dict[str, Any]:
     """Decode speed of every policy at every context (see the module docstring).
 
     prompt_fn(context, batch) -> token ids [batch, context] runs a real prefill; otherwise (synthetic) the
     cache is filled by `synthetic_kv` with `synthetic_seed`. With `hf_model` (see `bench.hf`), HF
     transformers' full-KV decode of the same prompts runs too, interleaved with ours step by step. With a
-    `mesh` (clusterkv_jax.sharding) params, caches and batches are sharded on it (real prompts only).
+    `mesh` (clusterkv_jax.sharding) params, caches and batches are sharded on it (real prompts only). With
+    `decode_loop`, each policy's `generate` decode loop also runs as one program and in Ctrl-C chunks
+    (`decode_loop_seconds`; random prompt tokens in synthetic mode) under "decode_loop".
     """
     if decode <= WARMUP_STEPS:
         raise ValueError(f"decode must be > {WARMUP_STEPS} (the warm-up steps), got {decode}")
@@ -220,6 +276,13 @@ def bench_decode(
             if name.endswith(OFFLOADED) and name[:-len(OFFLOADED)] in row:  # its on-device twin ran alongside
                 info["speedup_vs_on_device"] = row[name[:-len(OFFLOADED)]]["decode_ms"] / info["decode_ms"]
         results["contexts"][str(context)] = row
+        if decode_loop:
+            loop_prompts = prompts if prompts is not None else np.random.default_rng(synthetic_seed or 0).integers(
+                0, config.vocab_size, (batch, context), dtype=np.int32)
+            for name, policy in tqdm(policies.items(), desc=f"context {context}: decode loop", disable=not progress,
+                                     file=sys.stderr):
+                row[name]["decode_loop"] = decode_loop_seconds(params, config, policy, loop_prompts, decode,
+                                                               rules=rules)
         if progress:
             print(format_decode_context(context, row), file=sys.stderr)
         del runs

@@ -51,6 +51,16 @@ def format_decode(results: dict[str, Any]) -> str:
           f"{row['full']['prefill_s']:.2f} s" for c, row in results["contexts"].items() if "hf-full" in row]
     if hf:
         parts.append("HF transformers, same weights, interleaved:\n" + "\n".join(hf))
+    loops = [(c, name, r["decode_loop"]) for c, row in results["contexts"].items() for name, r in row.items()
+             if "decode_loop" in r]
+    if loops:
+        lines = [f"generate's decode loop: one program vs chunks of about {loops[0][2]['chunk_seconds']:g} s that "
+                 f"Ctrl-C can stop (alternated; medians of {loops[0][2]['rounds']} rounds, the cost of each round's "
+                 "ratio)", "| context | policy | one program ms/token | chunked ms/token | "
+                 "chunks | chunked cost |", "|---|---|---|---|---|---|"]
+        lines += [f"| {c} | {name} | {lp['one_program_ms']:.2f} | {lp['chunked_ms']:.2f} | {lp['chunks']:g} | "
+                  f"{100 * lp['chunked_cost']:+.2f}% |" for c, name, lp in loops]
+        parts.append("\n".join(lines))
     return "\n\n".join(parts)
 
 

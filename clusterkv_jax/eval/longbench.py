@@ -87,20 +87,29 @@ def read_jsonl(data_dir: str, dataset: str, limit: int | None = None) -> list[di
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} not found (LongBench's data.zip unpacked gives one JSONL per dataset)")
     samples = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            if limit is not None and len(samples) >= limit:
-                break
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    for line_no, line in enumerate(text.split("\n"), 1):  # not splitlines: JSON strings may hold U+2028
+        if not line.strip():
+            continue
+        if limit is not None and len(samples) >= limit:
+            break
+        try:
             obj = json.loads(line)
-            missing = [k for k in ("input", "context", "answers") if k not in obj]
-            if missing:
-                raise ValueError(f"{path}:{line_no}: missing field(s) {', '.join(missing)}")
-            if isinstance(obj["answers"], str):
-                obj["answers"] = [obj["answers"]]
-            obj.setdefault("all_classes", None)
-            samples.append(obj)
+        except ValueError as e:
+            raise ValueError(f"{path}:{line_no}: not a JSON object ({e})") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"{path}:{line_no}: not a JSON object (a {type(obj).__name__})")
+        missing = [k for k in ("input", "context", "answers") if k not in obj]
+        if missing:
+            raise ValueError(f"{path}:{line_no}: missing field(s) {', '.join(missing)}")
+        if isinstance(obj["answers"], str):
+            obj["answers"] = [obj["answers"]]
+        obj.setdefault("all_classes", None)
+        samples.append(obj)
     if not samples:
         raise ValueError(f"{path} has no samples")
     return samples

@@ -162,6 +162,11 @@ def run_recall(
         budgets=tuple(b for _, b in combos),
     )
     config = model.config
+    idle = sorted({n for (n, _), p in zip(combos, probe.policies) if p.full_layers >= config.num_layers})
+    if idle:  # their recall would be 0 / 0
+        raise ValueError(f"the model has {config.num_layers} layers and {', '.join(idle)} attend(s) to every token in "
+                         "the first full_layers of them: no layer selects, so there is no recall to measure; lower "
+                         f"full_layers below {config.num_layers} (--full-layers, --POLICY-full-layers)")
     bucket = bucket_length(context)
     dtype = jax.tree_util.tree_leaves(model.params)[0].dtype
     cache = init_cache(config, probe, 1, cache_capacity(bucket, steps), dtype)
