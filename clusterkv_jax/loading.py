@@ -45,9 +45,9 @@ def check_model_dir(path: str) -> None:
         raise FileNotFoundError(f"model directory {path!r} does not exist")
 
 
-def _unconverted_advice(path: str) -> str:
-    """What to do with a directory that has no params/: a Hugging Face or GGUF checkpoint is converted into a new
-    directory beside it (the converter never writes into its source)."""
+def _unconverted_advice(path: str) -> str | None:
+    """What to do with a directory that has no params/ and holds a Hugging Face or GGUF checkpoint (None if it holds
+    neither): convert it into a new directory beside it (the converter never writes into its source)."""
     names = os.listdir(path)
     target = os.path.normpath(path) + "-clusterkv"
     if any(n.endswith((".safetensors", ".bin")) for n in names):
@@ -58,8 +58,7 @@ def _unconverted_advice(path: str) -> str:
         src = os.path.join(path, ggufs[0])
         return (f"{path!r} holds a GGUF, not a converted checkpoint; convert it into a new directory: "
                 f"python -m checkpoints_convert gguf {src} {target}, then pass --model {target}")
-    return (f"{path!r} has no params/ checkpoint; convert a checkpoint into it first: "
-            f"python -m checkpoints_convert hf|gguf SRC {path}")
+    return None
 
 
 #: What the parameters may be cast to.
@@ -90,9 +89,13 @@ def load_model(path: str | os.PathLike, dtype: Any = None) -> Model:
     if dtype is not None:
         dtype = _param_dtype(dtype)
     check_model_dir(path)
-    if not os.path.isdir(os.path.join(path, "params")):
-        raise FileNotFoundError(_unconverted_advice(path))
+    converted = os.path.isdir(os.path.join(path, "params"))
+    if not converted and (advice := _unconverted_advice(path)):
+        raise FileNotFoundError(advice)  # before config.json, which a source checkpoint may hold in any form
     config = ModelConfig.from_dir(path)
+    if not converted:
+        raise FileNotFoundError(f"{path!r} has no params/ checkpoint; convert a checkpoint into it first: "
+                                f"python -m checkpoints_convert hf|gguf SRC {path}")
     params = load_params(os.path.join(path, "params"), dtype=dtype)
     check_params(params, config)
     tokenizer = Tokenizer.from_dir(path) if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
