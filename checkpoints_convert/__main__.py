@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from checkpoints_convert import DTYPES, convert_gguf, convert_hf
+from clusterkv_jax import CONVERT_INTERRUPTED
 from clusterkv_jax.commands import exit_now, run_reporting_errors
 
 
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     return run_reporting_errors(run, debug=args.debug, prefix="", error_code=1,
-                                interrupted="interrupted: nothing was written")
+                                interrupted=CONVERT_INTERRUPTED)
 
 
 if __name__ == "__main__":

@@ -48,9 +48,12 @@ if not os.environ.get("CLUSTERKV_KEEP_XLA_FLAGS"):
     os.environ["XLA_FLAGS"] = _with_cpu_flags(os.environ.get("XLA_FLAGS", ""), platform.machine(), _cpu_features())
 
 
-#: The command-line tools, as `python -m MODULE` or as a console script's name, and what each prints on Ctrl-C.
-_COMMANDS = {"checkpoints_convert": "interrupted: nothing was written", "clusterkv_jax.cli": "clusterkv: interrupted",
-             "clusterkv": "clusterkv: interrupted"}
+#: What each command-line tool prints on Ctrl-C, whenever it comes.
+CLUSTERKV_INTERRUPTED = "clusterkv: interrupted"
+CONVERT_INTERRUPTED = "interrupted: nothing was written"
+#: The command-line tools, as `python -m MODULE` or as a console script's name, and their Ctrl-C lines.
+_COMMANDS = {"checkpoints_convert": CONVERT_INTERRUPTED, "clusterkv_jax.cli": CLUSTERKV_INTERRUPTED,
+             "clusterkv": CLUSTERKV_INTERRUPTED}
 
 
 @contextlib.contextmanager

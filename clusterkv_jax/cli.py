@@ -8,6 +8,7 @@ import importlib.util
 import os
 import sys
 
+from clusterkv_jax import CLUSTERKV_INTERRUPTED
 from clusterkv_jax.commands import (HelpFormatter, add_policy_flags, check_outputs, exit_now, nonnegative_int,
                                     policy_options, positive_int, read_text_file, run_reporting_errors)
 
@@ -210,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
 
     return run_reporting_errors(run, debug=debug, prefix="clusterkv: ", error_code=2,
-                                interrupted="clusterkv: interrupted")
+                                interrupted=CLUSTERKV_INTERRUPTED)
 
 
 def entry() -> None:
