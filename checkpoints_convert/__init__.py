@@ -9,11 +9,11 @@ whole output in a temporary sibling directory and renames it into place last, so
 leaves nothing behind.
 """
 
-from clusterkv_jax import exiting_on_interrupt
-
-with exiting_on_interrupt():  # Ctrl-C while `python -m checkpoints_convert` imports: one line, not a traceback
-    from checkpoints_convert.common import DTYPES, params_to_hf_state_dict
-    from checkpoints_convert.gguf import convert_gguf
-    from checkpoints_convert.hf import convert_hf, hf_state_dict_to_params
+# Imported first: for `python -m checkpoints_convert`, Ctrl-C while the rest imports and compiles ends the process
+# with the converter's one line, not a traceback (clusterkv_jax._exit_on_interrupt_until_running).
+import clusterkv_jax  # noqa: F401  isort: skip
+from checkpoints_convert.common import DTYPES, params_to_hf_state_dict
+from checkpoints_convert.gguf import convert_gguf
+from checkpoints_convert.hf import convert_hf, hf_state_dict_to_params
 
 __all__ = ["convert_hf", "convert_gguf", "hf_state_dict_to_params", "params_to_hf_state_dict", "DTYPES"]

@@ -1,6 +1,5 @@
 """clusterkv-jax: recallable KV-cache compression (ClusterKV) for long-context LLM inference in JAX."""
 
-import contextlib
 import os
 import platform
 import signal
@@ -56,39 +55,49 @@ _COMMANDS = {"checkpoints_convert": CONVERT_INTERRUPTED, "clusterkv_jax.cli": CL
              "clusterkv": CLUSTERKV_INTERRUPTED}
 
 
-@contextlib.contextmanager
-def exiting_on_interrupt():
-    """Inside one of our command-line tools (without --debug): while the block runs, Ctrl-C ends the process at
-    once with the tools' one line and 130, as they do once running. For the imports (JAX takes a second or more),
-    where a KeyboardInterrupt becomes a traceback, an ImportError from an extension, or a crash. Elsewhere (a
-    library user) nothing changes."""
+_start_up_handler = None
+
+
+def _exit_on_interrupt_until_running() -> None:
+    """Inside one of our command-line tools (without --debug): from here until the command starts its work
+    (`commands.run_reporting_errors` calls `handle_interrupts_in_python`), Ctrl-C ends the process at once with
+    the tool's one line and 130, as it does once running. This covers the imports (JAX takes a second or more) and
+    Python compiling the command's own modules on a first run, where a KeyboardInterrupt becomes a traceback, an
+    ImportError from an extension, or a crash. Elsewhere (a library user) nothing changes."""
+    global _start_up_handler
     argv = list(getattr(sys, "orig_argv", sys.argv))
     module = next((b for a, b in zip(argv, argv[1:]) if a == "-m"), None)
     line = _COMMANDS.get(module or os.path.basename(sys.argv[0]))
     if line is None or "--debug" in argv or threading.current_thread() is not threading.main_thread():
-        yield
+        return
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:  # the caller chose otherwise
         return
 
     def exit_now(signum, frame):
         os.write(2, (line + "\n").encode())
         os._exit(130)
 
-    previous = signal.signal(signal.SIGINT, exit_now)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    _start_up_handler = exit_now
+    signal.signal(signal.SIGINT, exit_now)
 
 
-with exiting_on_interrupt():
-    from clusterkv_jax.cache import KVCache, init_cache, kv_bytes, layer_kv_bytes
-    from clusterkv_jax.config import ModelConfig, RopeScaling
-    from clusterkv_jax.generate import (GenerationInterrupted, GenerationResult, decode_step, generate, prefill,
-                                        sample_tokens)
-    from clusterkv_jax.loading import Model, load_model
-    from clusterkv_jax.policies import ClusterKV, FullKV, InfiniGen, KVPolicy, OracleTopK, Quest, SnapKV, StreamingLLM
-    from clusterkv_jax.selection import Selection
-    from clusterkv_jax.tokenizer import Tokenizer
+def handle_interrupts_in_python() -> None:
+    """Ctrl-C raises KeyboardInterrupt again (the running command catches it), where the start-up handler is set."""
+    if _start_up_handler is not None and signal.getsignal(signal.SIGINT) is _start_up_handler:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+_exit_on_interrupt_until_running()
+
+from clusterkv_jax.cache import KVCache, init_cache, kv_bytes, layer_kv_bytes  # noqa: E402
+from clusterkv_jax.config import ModelConfig, RopeScaling  # noqa: E402
+from clusterkv_jax.generate import (GenerationInterrupted, GenerationResult, decode_step, generate,  # noqa: E402
+                                    prefill, sample_tokens)
+from clusterkv_jax.loading import Model, load_model  # noqa: E402
+from clusterkv_jax.policies import (ClusterKV, FullKV, InfiniGen, KVPolicy, OracleTopK, Quest,  # noqa: E402
+                                    SnapKV, StreamingLLM)
+from clusterkv_jax.selection import Selection  # noqa: E402
+from clusterkv_jax.tokenizer import Tokenizer  # noqa: E402
 
 __all__ = [
     "ClusterKV",

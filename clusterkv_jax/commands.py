@@ -19,6 +19,8 @@ import sys
 import tempfile
 import threading
 
+from clusterkv_jax import handle_interrupts_in_python
+
 #: The policy whose flags carry no prefix.
 UNPREFIXED = "clusterkv"
 #: Fields each command sets itself (its --budget / --budgets, --offload), not flags per policy.
@@ -289,6 +291,7 @@ def interrupts_redelivered():
 def run_reporting_errors(run, *, debug: bool, prefix: str, error_code: int, interrupted: str) -> int:
     """run() -> exit code; an error becomes one line `{prefix}error: ...` and `error_code`, Ctrl-C the line
     `interrupted` and 130; with `debug`, both raise (the traceback). Shared by both command-line tools."""
+    handle_interrupts_in_python()  # from here on a KeyboardInterrupt is ours to report
     try:
         with interrupts_redelivered():
             return run()

@@ -677,6 +677,58 @@ def test_ctrl_c_stops_a_long_generation_within_seconds_and_keeps_its_text(smollm
     assert out == reference.texts[0] + "\n"
 
 
+_SIGINT_AT_EXEC = """
+import os, signal, sys
+
+_target = os.environ.get("CLUSTERKV_TEST_SIGINT_AT")
+
+
+def _interrupt_there(event, args):  # SIGINT to ourselves as the module whose file ends so starts to run
+    global _target
+    if _target and event == "exec" and getattr(args[0], "co_filename", "").replace(os.sep, "/").endswith(_target):
+        _target = None
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+sys.addaudithook(_interrupt_there)
+"""
+
+
+def test_ctrl_c_between_start_and_work_ends_with_one_line_and_130(tiny_model, tmp_path):
+    """CI caught a SIGINT sent 1 s into a conversion while Python compiled the converter's __main__ (after the
+    package imports, before the command caught Ctrl-C itself): a KeyboardInterrupt traceback. A window of
+    milliseconds, so here the signal is sent deterministically as chosen modules start to run (an audit hook in a
+    sitecustomize): in JAX's import, in our modules' imports, in each command's own module and the parser's, under
+    `python -m` and the console script. Each ends with the command's one line and 130, and writes nothing."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(_SIGINT_AT_EXEC)
+    src = write_tiny_hf(tmp_path / "src")
+    text = os.path.join(os.path.dirname(tiny_model), "text.txt")
+    recall = ["eval", "recall", "--model", tiny_model, "--text", text, "--context", "96", "--steps", "4",
+              "--budgets", "40", "--policies", "clusterkv", "--full-layers", "1", "--json", str(tmp_path / "r.json")]
+    console_script = os.path.join(os.path.dirname(sys.executable), "clusterkv")
+    commands = [([sys.executable, "-m", "checkpoints_convert", "hf", src, str(tmp_path / "out")],
+                 "interrupted: nothing was written",
+                 ["/jax/__init__.py", "clusterkv_jax/loading.py", "checkpoints_convert/hf.py",
+                  "checkpoints_convert/__main__.py", "argparse.py"]),
+                ([sys.executable, "-m", "clusterkv_jax.cli", *recall], "clusterkv: interrupted",
+                 ["/jax/__init__.py", "clusterkv_jax/generate.py", "clusterkv_jax/cli.py",
+                  "clusterkv_jax/eval/commands.py", "clusterkv_jax/eval/recall.py"])]
+    if os.path.exists(console_script):  # installed (pip install -e .)
+        commands.append(([console_script, *recall], "clusterkv: interrupted",
+                         ["/jax/__init__.py", "clusterkv_jax/cli.py", "clusterkv_jax/eval/commands.py"]))
+    for cmd, line, modules in commands:
+        for module in modules:
+            env = {**os.environ, "PYTHONPATH": f"{hooks}{os.pathsep}{REPO_ROOT}", "CLUSTERKV_TEST_SIGINT_AT": module}
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=300)
+            where = (os.path.basename(cmd[0]), cmd[2], module)
+            assert proc.returncode == 130, (where, proc.returncode, proc.stderr[-3000:])
+            assert "Traceback" not in proc.stderr, (where, proc.stderr[-3000:])
+            assert proc.stderr.strip().splitlines()[-1] == line, (where, proc.stderr[-1000:])
+            assert sorted(os.listdir(tmp_path)) == ["hooks", "src"], (where, os.listdir(tmp_path))
+
+
 def test_ctrl_c_at_any_point_ends_with_one_line_and_130(tiny_model, tmp_path):
     """SIGINT during `eval recall` exited with SIGSEGV after printing "clusterkv: interrupted" in 3 of 7 tries
     (Python's teardown under JAX's running threads), and during a conversion's imports it printed a
