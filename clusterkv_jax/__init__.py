@@ -1,5 +1,7 @@
 """clusterkv-jax: recallable KV-cache compression (ClusterKV) for long-context LLM inference in JAX."""
 
+__version__ = "0.1.0"  # the package's version (pyproject.toml reads it from here)
+
 import os
 import platform
 import signal
@@ -16,7 +18,7 @@ _SCHEDULER_FLAG = ("xla_cpu_enable_concurrency_optimized_scheduler", "false")
 # On x86 CPUs without AVX-512 only: YNNPACK library fusions for reductions only, so float32 dots run on XLA's own
 # kernels. jaxlib 0.10.2 sends dots to YNNPACK, whose float32 dots erred several times more than NumPy's on
 # an AVX2 machine (enough to move SmolLM2's logits past HF's), while on AVX-512 they were as accurate and faster
-# than XLA's (README, "On CPU"; RESULTS.md, "YNNPACK's dots by CPU").
+# than XLA's (README, "On CPU"; docs/research_log.md, "YNNPACK's dots by CPU").
 _YNN_FLAG = ("xla_cpu_experimental_ynn_fusion_type", "reduce")
 
 
@@ -100,6 +102,7 @@ from clusterkv_jax.selection import Selection  # noqa: E402
 from clusterkv_jax.tokenizer import Tokenizer  # noqa: E402
 
 __all__ = [
+    "__version__",
     "ClusterKV",
     "FullKV",
     "InfiniGen",

@@ -41,7 +41,7 @@ from clusterkv_jax.store import DeviceLayer
 PREFILL_BLOCK = 512
 
 #: A tile of `attend_tiled`: the K and V rows gathered at once, kept well inside a CPU's last-level cache
-#: (RESULTS.md, "Tiles on the CPU").
+#: (docs/research_log.md, "Tiles on the CPU").
 GATHER_TILE_BYTES = 8 << 20
 
 

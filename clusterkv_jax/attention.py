@@ -183,7 +183,7 @@ def selection_and_window_attention(
     # [B, K, G, M + W]. The rows are the left operand and the row axis comes first in the product: XLA:CPU runs
     # "BKGH,BKGMH" as slower batched matrix-vector products than "BKGMH,BKGH", and a [M, H] x [H, G] product
     # written "->BKGM" slower than "->BKMG" and a transpose of the small result (the same for the output;
-    # RESULTS.md).
+    # docs/research_log.md).
     def rows_times_queries(rows, spec):
         if spec == "BKGMH":
             return jnp.einsum("BKGMH,BKGH->BKGM", rows, qg, preferred_element_type=jnp.float32)

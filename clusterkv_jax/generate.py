@@ -240,7 +240,7 @@ start_generation = jax.jit(_in_mesh_scope(_start), static_argnames=_START_STATIC
 decode_generation = jax.jit(_in_mesh_scope(_decode), static_argnames=_DECODE_STATIC, donate_argnames=("loop",))
 
 #: `generate`'s decode loop returns to Python about this often (seconds), so that Ctrl-C stops it within about
-#: that time; each return costs a wait for the device and a new call (RESULTS.md "Ctrl-C").
+#: that time; each return costs a wait for the device and a new call (docs/research_log.md "Ctrl-C").
 INTERRUPT_SECONDS = 1.0
 
 

@@ -42,7 +42,7 @@ IMPLEMENTATIONS = ("reference", "pallas", "interpret", "tpu")
 #: The ops, by the names `resolve` takes.
 OPS = ("centroid_update", "cluster_to_block_index", "selected_attention")
 #: What "auto" runs for each op on a CUDA GPU: the one that was faster on an H200 (`python -m pallas_kernels.bench`,
-#: RESULTS.md "First run on a GPU"): XLA's segment sum and gathered attention beat the centroid-update and
+#: docs/research_log.md "First run on a GPU"): XLA's segment sum and gathered attention beat the centroid-update and
 #: page-table attention kernels; the block-indexing kernel is kept.
 AUTO_ON_GPU = {"centroid_update": "reference", "cluster_to_block_index": "pallas", "selected_attention": "reference"}
 

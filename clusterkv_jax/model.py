@@ -188,7 +188,7 @@ def _run_layers(params: Params, config: ModelConfig, cache: KVCache, x: jax.Arra
 
     A group's stacked states ride in the scan's carry, like its store, and a layer's state is written back only
     when the step says it changed (on the CPU, under a `lax.cond`): most decode steps change no policy state, and
-    writing every layer's state back each step is a visible part of a small model's step on the CPU (RESULTS.md).
+    writing every layer's state back each step is a visible part of a small model's step on the CPU (docs/research_log.md).
     Elsewhere the write always runs: a conditional that returns the carry may make XLA:GPU copy it whole."""
     cos_sin = rope.tables(config, positions, seq_lens)
     local_cos_sin = rope.local_tables(config, positions, seq_lens) if config.local_rope_theta else cos_sin

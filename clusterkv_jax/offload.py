@@ -105,7 +105,7 @@ def _write_rows(store, layer, rows, values):
     """store [n, B, K, R, H] in host memory with values [B, K, m, H] written at rows [B, K, m] of layer `layer`
     (out of range: dropped). On the CPU, and under a multi-device mesh, a host computation scatters them. On a
     GPU and a TPU a host computation that returns the store comes back in the host's layout, and XLA converts it in
-    device memory, staging the whole store there (RESULTS.md, "Offloaded decode's device memory"); so there the
+    device memory, staging the whole store there (docs/research_log.md, "Offloaded decode's device memory"); so there the
     rows move by dynamic-update-slices into host memory, which XLA turns into DMAs: one per row on a GPU, and on a
     TPU, which moves whole tiles only and slices one dim, one per (sequence, KV head) of whole [R, H] planes read,
     updated on the device and written back. Either loop runs once per row (plane) that is written, so a write with
@@ -222,7 +222,7 @@ class RecallCache:
         takes the k-th free slot (no hit of this step in it), least recently used first (R = 1: in slot order, as
         every free slot is then outside the last step). Small scatters and running counts (a product with a
         triangular matrix): on a CPU several times cheaper than sorts or argmaxes of these small arrays, and
-        cheaper than [c, S] comparison matrices (RESULTS.md)."""
+        cheaper than [c, S] comparison matrices (docs/research_log.md)."""
         at = lambda x: jax.lax.dynamic_index_in_dim(x, layer, keepdims=False)  # noqa: E731
         ids, last_used, now = at(self.ids), at(self.last_used), at(self.step)
         S = ids.shape[-1]
@@ -350,7 +350,7 @@ def fetch_size(c: int) -> int:
     (at R = 1 about one chunk in five misses), so most steps move one round and a first step, all misses, four.
     Packed by KV head because the most missing head sets the number of rounds for all: packing a KV head's
     selection heads together takes fewer rounds and moves fewer chunks than rounds per selection head
-    (RESULTS.md, "Host offload")."""
+    (docs/research_log.md, "Host offload")."""
     return max(1, -(-c // 4))
 
 
@@ -363,7 +363,7 @@ def pack_misses(starts, slot, miss, miss_number, kv_heads: int, slots: int, n: i
     kv_misses [B, K] (misses per KV head).
 
     One scatter: the misses' numbers within a KV head are distinct (on XLA:CPU cheaper than a [G·c, P]
-    comparison matrix; RESULTS.md)."""
+    comparison matrix; docs/research_log.md)."""
     B, h, c = starts.shape
     K, S = kv_heads, slots
     G = h // K

@@ -76,7 +76,7 @@ def top_k_indices(x: jax.Array, k: int) -> jax.Array:
     `jax.lax.top_k`, except while tracing under a multi-device mesh: there the partitioner would gather a
     top_k's whole operand when its leading (batch / head) dims are sharded, so a stable sort, which picks the
     same indices and stays per shard, runs instead. Without a mesh top_k is kept: on CPU it is much faster than
-    the full sort (RESULTS.md).
+    the full sort (docs/research_log.md).
     """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
@@ -119,7 +119,7 @@ def gather_rows(store: jax.Array, index: jax.Array, mode=READ_MODE, chunk: int =
 
     `aligned`: every first row is a multiple of `chunk`; where `chunk` also divides S the store is read as blocks,
     [..., S / chunk, chunk * H], one row of chunk * H per index: XLA:CPU's gather then copies faster
-    (RESULTS.md)."""
+    (docs/research_log.md)."""
     if aligned and chunk > 1 and store.shape[-2] % chunk == 0:
         *lead, S, H = store.shape
         blocks = store.reshape(*lead, S // chunk, chunk * H)

@@ -104,7 +104,7 @@ class LayerView:
         On the CPU the scatter runs under a `lax.cond` that skips it on those steps (`commit_window_if_due`):
         XLA:CPU updates the store in place under the cond, and the unconditional scatter, with its gather of the
         window's rows, is a visible part of a layer's step. Elsewhere it always runs: a conditional that returns
-        the store made XLA:GPU copy the layer group's whole store on every layer of every step (RESULTS.md,
+        the store made XLA:GPU copy the layer group's whole store on every layer of every step (docs/research_log.md,
         "Deviceless compilation"). `lax.platform_dependent` picks at lowering: the compiler never sees both."""
         store = jax.lax.platform_dependent(
             self.store,

@@ -6,7 +6,7 @@
 Recall (`run_recall`): on the exact full-KV trajectory, how many of the true top-B prompt tokens (by q·k) each
 policy's selection holds, and how much of the attention mass. Perplexity (`run_ppl`): the policy is active
 while the text after the context is teacher-forced one decode step at a time. `clusterkv eval recall|ppl`
-runs the same functions with more options; RESULTS.md has larger runs.
+runs the same functions with more options; docs/research_log.md has larger runs.
 
 Environment (used by the tests): CLUSTERKV_EXAMPLE_MODEL, the converted checkpoint (default: the bundled
 SmolLM2-135M-Instruct, converted once); CLUSTERKV_EXAMPLE_FAST=1, tiny contexts, budgets and step counts;

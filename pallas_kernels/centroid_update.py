@@ -203,7 +203,7 @@ def centroid_update(
 
 def _reference_one(keys: jax.Array, labels: jax.Array, num_clusters: int):
     """One problem: keys [N, H], labels [N] -> sums [C, H] float32, counts [C] int32, by a segment sum (N·H
-    additions: on XLA:CPU faster than the one-hot [C, N] x [N, H] matmul (RESULTS.md); and no TF32 or bfloat16
+    additions: on XLA:CPU faster than the one-hot [C, N] x [N, H] matmul (docs/research_log.md); and no TF32 or bfloat16
     passes on any device)."""
     ok = (labels >= 0) & (labels < num_clusters)
     # Padding rows may hold anything (NaN included): they are zeroed, then summed into a discarded segment.

@@ -142,7 +142,7 @@ def _reference_one(ranked_sizes, ranked_starts, tokens: int, slots: int, block: 
     j = jnp.arange(slots, dtype=jnp.int32)
     # Slot j belongs to the first ranked cluster whose prefix sum exceeds j: the count of prefix sums <= j. One
     # [slots, C] comparison, not a `searchsorted` (on XLA:CPU a while loop of small thunks, a visible part of a
-    # SmolLM2 decode step; RESULTS.md).
+    # SmolLM2 decode step; docs/research_log.md).
     r = jnp.minimum(jnp.sum(cum[None, :] <= j[:, None], axis=-1, dtype=jnp.int32), C - 1)
     within = j - (cum[r] - used[r])
     valid = j < cum[-1]

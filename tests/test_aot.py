@@ -87,7 +87,7 @@ def test_targets_are_an_sm90_gpu_and_a_v5e(target):
 
 
 #: What kernels="auto" keeps in a ClusterKV decode step on sm90: the block indexing only (on an H200 XLA's segment sum
-#: and gathered attention beat the centroid-update and page-table attention kernels, RESULTS.md).
+#: and gathered attention beat the centroid-update and page-table attention kernels, docs/research_log.md).
 AUTO_ON_SM90 = ("cluster_to_block_index",)
 
 

@@ -149,3 +149,96 @@ def test_readme_python_snippet_runs_and_its_loop_matches_generate(smollm2_conver
     want = ckv.generate(model, "The capital of France is", 8, policy=ckv.ClusterKV(budget=256),
                         stop_at_eos=False).tokens[0]
     assert namespace["new_ids"] == want
+
+
+def _install_cell() -> str:
+    with open(NOTEBOOK, encoding="utf-8") as f:
+        cells = json.load(f)["cells"]
+    sources = ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
+    return next(source for source in sources if "_install_source" in source)
+
+
+def _venv_with_our_dependencies(path) -> str:
+    """A fresh venv where clusterkv_jax is not importable but everything it needs is (pip included): a .pth names a
+    directory of links to this environment's site-packages, our own package's entries left out. So the notebook's
+    pip installs clusterkv-jax alone, without a network."""
+    import sysconfig
+
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True, timeout=120)
+    ours = ("clusterkv_jax", "clusterkv-jax", "__editable__", "checkpoints_convert", "pallas_kernels")
+    site = sysconfig.get_paths()["purelib"]
+    links = path / "dependencies"
+    links.mkdir()
+    for name in os.listdir(site):
+        if not name.startswith(ours) and not name.endswith(".pth"):
+            os.symlink(os.path.join(site, name), links / name)
+    python = str(path / "bin" / "python")
+    fresh_site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                capture_output=True, text=True, check=True).stdout.strip()
+    with open(os.path.join(fresh_site, "dependencies.pth"), "w") as f:
+        f.write(str(links) + "\n")
+    return python
+
+
+def test_notebook_install_cell_installs_from_a_wheel_and_from_a_checkout(tmp_path):
+    """The notebook's first code cell, run where clusterkv_jax is not installed: from a wheel in the working
+    directory (as uploaded to Colab) and from the checkout it sits in (opened from examples/); afterwards
+    clusterkv_jax imports, in a new process too, from where it was installed."""
+    import shutil
+
+    checkout = tmp_path / "checkout"
+    shutil.copytree(REPO_ROOT, checkout, symlinks=True, ignore=shutil.ignore_patterns(
+        ".git", ".venv*", "__pycache__", "build", "dist", "*.egg-info", ".pytest_cache", ".hypothesis", "out"))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PIP_NO_BUILD_ISOLATION"] = "1"  # setuptools from the environment: no download
+    where = "import clusterkv_jax; print(clusterkv_jax.__version__, clusterkv_jax.__file__)"
+    cell = _install_cell()
+
+    wheels = tmp_path / "colab"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels), str(checkout)],
+                   check=True, env=env, timeout=300, capture_output=True)
+    (wheel,) = [n for n in os.listdir(wheels) if n.endswith(".whl")]
+    assert wheel.startswith("clusterkv_jax-") and "OWNER" not in cell
+    for name, cwd in (("wheel", wheels), ("checkout", checkout / "examples")):
+        python = _venv_with_our_dependencies(tmp_path / f"venv-{name}")
+        assert subprocess.run([python, "-c", "import clusterkv_jax"], cwd=cwd, env=env,
+                              capture_output=True).returncode != 0  # not importable before the cell
+        ran = subprocess.run([python, "-c", cell + "\n" + where], cwd=cwd, env=env, capture_output=True, text=True,
+                             timeout=600)
+        assert ran.returncode == 0, (name, ran.stdout[-2000:], ran.stderr[-4000:])
+        again = subprocess.run([python, "-c", where], cwd=tmp_path, env=env, capture_output=True, text=True)
+        assert again.returncode == 0, (name, again.stderr[-2000:])
+        import clusterkv_jax
+
+        version, path = again.stdout.split()
+        assert version == clusterkv_jax.__version__
+        home = str(tmp_path / f"venv-{name}") if name == "wheel" else str(checkout)
+        assert os.path.realpath(path).startswith(os.path.realpath(home)), (name, path)
+
+
+def test_no_placeholder_url_or_workspace_path_where_users_read():
+    """A fresh clone has nothing beside it: no default, help text or document may point at the development
+    workspace's `../shared`, and no install line at a placeholder URL. Every command's --help shows defaults."""
+    import glob
+
+    from clusterkv_jax.cli import build_parser
+    from clusterkv_jax.commands import _subcommands
+
+    files = [os.path.join(REPO_ROOT, name) for name in ("README.md", "Makefile", "pyproject.toml", "docs/guide.md",
+                                                       "docs/results.md")]
+    for package in ("clusterkv_jax", "checkpoints_convert", "pallas_kernels", "examples"):
+        files += glob.glob(os.path.join(REPO_ROOT, package, "**", "*.py"), recursive=True)
+    files.append(NOTEBOOK)
+    parser = build_parser()
+    helps = {"clusterkv --help": parser.format_help()}
+    for path, sub, _ in _subcommands(parser):
+        helps["clusterkv " + " ".join(path) + " --help"] = sub.format_help()
+    texts = {path: open(path, encoding="utf-8").read() for path in files} | helps
+    for where, text in texts.items():
+        for banned in ("OWNER", "../shared", "shared/data"):
+            assert banned not in text, (where, banned)
+    top = helps["clusterkv --help"]
+    for command in ("generate", "demo", "eval recall", "eval ppl", "eval longbench", "bench decode", "bench attention"):
+        assert f"clusterkv {command} " in top, command
+    assert "(default: 4096)" in helps["clusterkv demo --help"] and "(default: 0)" in helps["clusterkv demo --help"]
+    assert "(default: [256, 512, 1024, 2048])" in helps["clusterkv eval ppl --help"]

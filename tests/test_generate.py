@@ -154,24 +154,35 @@ def test_bad_generate_input_is_refused(smollm2):
 
 def test_cli_generate_runs_each_policy_and_times_prefill_and_decode(smollm2, smollm2_converted_dir, capsys):
     """`clusterkv generate --policy P --budget N`: ClusterKV with a budget over the prompt writes full KV's text;
-    a budget under it runs the method (here other text, or the same); a call that compiled says so and gives its
-    wall time only, a compiled one reports prefill s and decode tokens/s.
-    A policy that cannot offload is refused with exit 2."""
+    a budget under it runs the method (here other text, or the same). Each run says the prompt's tokens and what
+    a step attends; a call that compiled says so and gives its wall time only, a compiled one (or --timing, after a
+    warm-up call) prefill s and decode tokens/s. A policy that cannot offload is refused with exit 2."""
+    import re
+
     from clusterkv_jax.cli import main
 
     prompt = smollm2.tokenizer.decode(long_text_ids(smollm2.tokenizer, 400))
+    n = len(smollm2.tokenizer.encode(prompt))
     base = ["generate", "--model", smollm2_converted_dir, "--prompt", prompt, "--max-new-tokens", "6"]
     texts = {}
+    attends = {"full": f"full KV attends all {n} prompt tokens and every generated one, in all 30 layers",
+               "clusterkv-all": f"clusterkv B=4096 attends all {n} prompt tokens: the budget B=4096 covers the prompt",
+               "clusterkv": f"clusterkv B=64 attends 64 of the {n} prompt tokens per step chosen by cluster"}
     for name, flags in (("full", []), ("clusterkv-all", ["--policy", "clusterkv", "--budget", "4096"]),
                         ("clusterkv", ["--policy", "clusterkv", "--budget", "64", "--kmeans-tol", "0"])):
         assert main(base + flags) == 0
         out, err = capsys.readouterr()
         texts[name] = out
+        assert f"prompt: {n} tokens; {attends[name]}" in err, err
         # A call that compiled reports its wall time only, compile included; a compiled one, prefill and decode.
-        assert ("prefill of" in err and "tokens/s" in err) or "compiling included (no speed figures" in err, err
+        assert ("prefill of" in err and "tokens/s" in err) or "compiling included (--timing: a warm-up" in err, err
     assert main(base + ["--policy", "clusterkv", "--budget", "64", "--kmeans-tol", "0"]) == 0  # compiled now
     err = capsys.readouterr().err
     assert "prefill of " in err and "tokens/s" in err and "compil" not in err, err
+    assert main(base + ["--policy", "quest", "--budget", "96", "--timing"]) == 0  # compiles in its warm-up call
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0].startswith("warm-up call") and re.fullmatch(
+        rf"quest B=96: 6 tokens; prefill of {n} tokens [0-9.]+ s, decode [0-9.]+ tokens/s", lines[-1]), lines
     assert texts["clusterkv-all"] == texts["full"]
     assert main(base + ["--policy", "streaming", "--offload"]) == 2
     assert "--offload works with" in capsys.readouterr().err

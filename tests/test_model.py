@@ -36,7 +36,7 @@ def test_smollm2_logits_match_hf_at_every_position(smollm2, hf_smollm2):
     """Our float32 logits against HF's forward in float64, the exact answer for these weights. SmolLM2 amplifies
     float32 rounding ~100x at its massive activation (layer 11), so a float32 forward lands 1e-4 to 6e-4 from it
     depending on how it rounds (HF's float32 included); against HF's float32, the gap would hold both roundings
-    (RESULTS.md, "YNNPACK's dots by CPU")."""
+    (docs/research_log.md, "YNNPACK's dots by CPU")."""
     hf_model, _ = hf_smollm2
     ids = np.asarray([long_text_ids(smollm2.tokenizer, 512)])
     ref = _hf_logits(copy.deepcopy(hf_model).double(), ids)

@@ -7,7 +7,7 @@ import os
 import sys
 
 from clusterkv_jax.commands import (HelpFormatter, add_policy_flags, int_list, model_and_text, nonnegative_int,
-                                    policy_list, policy_options, positive_int)
+                                    policy_list, policy_options, positive_int, read_text_file)
 
 
 def _load_model(args):
@@ -34,12 +34,14 @@ def _bench_model(args):
         params = init_params(config, jax.random.PRNGKey(args.seed), dtype=args.dtype)
         return config, params, None, f"{args.synthetic} geometry, {config.num_layers} layers, random weights"
     model = _load_model(args)
-    text_path = args.text or os.path.join("..", "shared", "data", "pride_and_prejudice.txt")
-    if not os.path.isfile(text_path):
-        raise FileNotFoundError(f"no text at {text_path!r}; pass --text FILE (long UTF-8 text)")
-    with open(text_path, encoding="utf-8") as f:
-        text = f.read()
     need = max(args.context) * args.batch
+    if args.text is None:  # the demo's generated document (everyday sentences), as long as needed
+        from clusterkv_jax.demo import haystack
+
+        text_path, text = "the generated document", haystack(model.tokenizer, need + 16).document
+    else:
+        text_path = args.text
+        text = read_text_file(text_path)
     ids = model.tokenizer.encode(text[: 8 * need + 100_000], add_special_tokens=False)
     if len(ids) < need:
         raise ValueError(f"{text_path} has {len(ids)} tokens; --context {max(args.context)} x --batch "
@@ -169,7 +171,8 @@ def register(sub) -> None:
                        cmd_decode, [1000, 2000, 4000, 8000], "full,clusterkv,quest")
     dec.add_argument("--decode", type=positive_int, default=64, help="decode steps per policy and context")
     dec.add_argument("--layers", type=positive_int, default=None, help="--synthetic only: number of layers")
-    dec.add_argument("--text", default=None, help="prompt text (default ../shared/data/pride_and_prejudice.txt)")
+    dec.add_argument("--text", default=None, help="prompt text, a long UTF-8 file (default: a document generated as "
+                     "`clusterkv demo`'s)")
     dec.add_argument("--offload", action="store_true", help="keep KV in host memory (full, clusterkv, quest)")
     dec.add_argument("--mesh", default=None, metavar="data=D,model=M", help="shard params, caches and batch "
                      "over devices (see README, Multiple devices)")

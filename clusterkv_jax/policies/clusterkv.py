@@ -15,7 +15,7 @@ Layout of this policy's layers: the store keeps each cluster's members in consec
                                     cluster (prompt clusters, then each decode-time group)
 
 A selection is at most `block_slots()` blocks: the budget's blocks plus one per cluster of average size it could
-take plus 4 (measured against what the rule selects in RESULTS.md); if the clusters ever needed more, the last
+take plus 4 (measured against what the rule selects in docs/research_log.md); if the clusters ever needed more, the last
 ones would be dropped and the budget left unfilled. `row_positions` maps
 rows back to token positions (the recall evaluation, tests). The store holds ~1.2x the rows of a position-ordered
 one (each cluster's last block is partly empty).
@@ -102,7 +102,7 @@ def rank_and_index(
     The top `slots` clusters come from `lax.top_k` (no cluster beyond them can be taken: each takes a block).
     With `first`, the top `first` only, when they already fill the tokens or the slots of every problem (then
     nothing ranked below them is taken: the same result), else the top `slots` (`lax.cond`): on XLA:CPU a top_k
-    costs about its k (RESULTS.md). The block indexing is `kernels.cluster_to_block_index` with implementation
+    costs about its k (docs/research_log.md). The block indexing is `kernels.cluster_to_block_index` with implementation
     `impl`.
     """
     scores = jnp.where(sizes > 0, scores, -jnp.inf)
@@ -135,7 +135,7 @@ def _layout_rows(labels, sizes, block_start, block_size: int, num_clusters: int)
     labels = jnp.minimum(labels, num_clusters)
     if (num_clusters + 1) * n < _SORT_KEY_LIMIT:
         # One sort of label·n + offset (distinct int32 keys): on XLA:CPU several times faster than the stable
-        # argsort's sort of (label, offset) pairs (RESULTS.md).
+        # argsort's sort of (label, offset) pairs (docs/research_log.md).
         key = jnp.sort(labels * n + jnp.arange(n, dtype=labels.dtype), axis=-1)
         order, sorted_labels = key % n, key // n
     else:

@@ -46,7 +46,7 @@ class Quest(KVPolicy):
 
     `sinks` > 0 always selects the pages holding positions [0, sinks) (they count against the budget). The
     Quest paper has no sinks (sinks=0, the default); models whose first token is an attention sink whatever
-    its content need them (RESULTS.md, "Quest and the attention sink").
+    its content need them (docs/research_log.md, "Quest and the attention sink").
 
     Budget accounting: pages are selected whole, so at most `budget // page_size` pages, i.e. at most
     `budget` tokens (a partial prompt page counts its real tokens only), come from the prompt and from
