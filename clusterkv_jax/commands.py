@@ -183,12 +183,65 @@ def read_text_file(path: str, flag: str = "--text", max_chars: int | None = None
         raise ValueError(f"{flag} {path!r} is not UTF-8 text (byte {e.start}: {e.reason})") from None
 
 
+def add_mesh_flags(parser: argparse.ArgumentParser) -> None:
+    """--mesh, and --distributed with where this process finds the others."""
+    from clusterkv_jax.distributed import COORDINATOR_ENV, DEFAULT_TIMEOUT, NUM_PROCESSES_ENV, PROCESS_ID_ENV
+
+    parser.add_argument("--mesh", default=None, metavar="data=D,model=M",
+                        help="shard over D*M devices: batch on 'data', KV heads on 'model' (on CPU, D*M host devices "
+                             "are requested automatically; with --distributed, D*M over all processes)")
+    group = parser.add_argument_group("several processes (one per host), one mesh: run the same command on each")
+    group.add_argument("--distributed", action="store_true",
+                       help="join the other processes (jax.distributed) before starting; needs --mesh")
+    group.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                       help=f"process 0's address, the same for all (default: ${COORDINATOR_ENV}, else detected "
+                            "on SLURM, Open MPI or Cloud TPU)")
+    group.add_argument("--num-processes", type=positive_int, default=None, metavar="N",
+                       help=f"how many processes (default: ${NUM_PROCESSES_ENV}, else detected)")
+    group.add_argument("--process-id", type=nonnegative_int, default=None, metavar="I",
+                       help=f"this process's number, 0 .. N-1 (default: ${PROCESS_ID_ENV}, else detected)")
+    group.add_argument("--distributed-timeout", type=positive_int, default=DEFAULT_TIMEOUT, metavar="S",
+                       help="seconds to wait for every process to join")
+
+
+def prepare_mesh(args) -> None:
+    """Before JAX starts: checks --mesh, joins the other processes (--distributed; on CPU each process asks for its
+    part of the mesh's devices) or asks for D*M CPU devices, and refuses a mesh whose copies of the parameters would
+    not fit this machine's memory."""
+    from clusterkv_jax import sharding
+    from clusterkv_jax.distributed import NUM_PROCESSES_ENV, _env_int, initialize, native_output_to_stderr
+
+    if not args.distributed:
+        given = [flag for flag in ("--coordinator", "--num-processes", "--process-id")
+                 if getattr(args, flag[2:].replace("-", "_")) is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --distributed")
+    if args.distributed and not args.mesh:
+        raise ValueError("--distributed needs --mesh (data=D,model=M over the devices of all processes)")
+    if not args.mesh:
+        return
+    sizes = sharding.parse_mesh(args.mesh)
+    devices = sizes["data"] * sizes["model"]
+    if args.distributed:
+        processes = args.num_processes if args.num_processes is not None else _env_int(NUM_PROCESSES_ENV)
+        if processes is not None and devices % processes:
+            raise ValueError(f"--mesh {args.mesh} has {devices} devices, which {processes} processes cannot share "
+                             "equally")
+        native_output_to_stderr()
+        initialize(args.coordinator, args.num_processes, args.process_id,
+                   local_cpu_devices=devices // processes if processes else None, timeout=args.distributed_timeout,
+                   timeout_prefix="clusterkv: error: ", timeout_exit_code=2)
+    else:
+        sharding.request_host_devices(args.mesh)  # on CPU: data*model host devices (before JAX starts)
+    sharding.check_mesh_for_model(args.mesh, args.model, args.dtype)
+
+
 def model_and_text(args):
     """The model of --model and the token ids of --text (its first --max-chars characters, when given)."""
     from clusterkv_jax import load_model
 
     check_text_file(args.text)
-    model = load_model(args.model, dtype=args.dtype)
+    model = load_model(args.model, dtype=args.dtype, mesh=getattr(args, "mesh", None))
     if model.tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer.json; this command reads text")
     text = read_text_file(args.text, max_chars=args.max_chars)

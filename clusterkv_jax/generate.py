@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from clusterkv_jax import sharding as sh
 from clusterkv_jax.cache import KVCache, init_cache
 from clusterkv_jax.config import ModelConfig
+from clusterkv_jax.distributed import to_host
 from clusterkv_jax.model import PREFILL_BLOCK, forward_decode, forward_prefill
 from clusterkv_jax.ops import sharded_trace
 from clusterkv_jax.policies import FullKV, KVPolicy
@@ -54,7 +55,7 @@ def counting_compiles():
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _in_mesh_scope(fn):
+def in_mesh_scope(fn):
     """Traces fn(..., sharding=ShardingRules) for the rules' mesh (`ops.sharded_trace`), so mesh-aware ops
     (`ops.top_k_indices`, the Pallas kernels through `ops.per_shard`) pick their per-shard forms; without
     `sharding` nothing changes."""
@@ -68,7 +69,7 @@ def _in_mesh_scope(fn):
     return traced
 
 
-def _pin_cache(cache: KVCache, config: ModelConfig, policy: KVPolicy, sharding) -> KVCache:
+def pin_cache(cache: KVCache, config: ModelConfig, policy: KVPolicy, sharding) -> KVCache:
     """Inside jit, with ShardingRules: keeps every cache leaf in its mesh layout (see clusterkv_jax.sharding)."""
     if sharding is None:
         return cache
@@ -78,28 +79,28 @@ def _pin_cache(cache: KVCache, config: ModelConfig, policy: KVPolicy, sharding) 
 
 @functools.partial(jax.jit, static_argnames=("config", "policy", "all_logits", "sharding", "chunk"),
                    donate_argnames=("cache",))
-@_in_mesh_scope
+@in_mesh_scope
 def prefill(params, tokens, lengths, cache: KVCache, *, config: ModelConfig, policy: KVPolicy,
             all_logits: bool = False, sharding=None, chunk: int | None = None):
     """tokens [B, T] right-padded, lengths [B] -> (logits [B, V] at each last prompt token, or [B, T, V]
     with `all_logits`; the filled cache). The input cache is donated. `sharding`: the
     `clusterkv_jax.sharding.ShardingRules` of a sharded cache (from `init_cache_sharded`), kept on return."""
-    cache = _pin_cache(cache, config, policy, sharding)
+    cache = pin_cache(cache, config, policy, sharding)
     logits, cache = forward_prefill(params, config, policy, tokens, lengths, cache, all_logits=all_logits,
                                     chunk=chunk)
-    return logits, _pin_cache(cache, config, policy, sharding)
+    return logits, pin_cache(cache, config, policy, sharding)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "policy", "sharding"), donate_argnames=("cache",))
-@_in_mesh_scope
+@in_mesh_scope
 def decode_step(params, tokens, cache: KVCache, *, config: ModelConfig, policy: KVPolicy, sharding=None):
     """tokens [B] -> (logits [B, V], cache with the tokens appended). The input cache is donated.
     `sharding`: as for `prefill`. The caller keeps cache.lengths < cache.capacity (a traced length cannot
     raise under jit; a full cache does not store the new token's KV): size it with `cache_capacity`, as
     `generate` does."""
-    cache = _pin_cache(cache, config, policy, sharding)
+    cache = pin_cache(cache, config, policy, sharding)
     logits, cache = forward_decode(params, config, policy, tokens, cache)
-    return logits, _pin_cache(cache, config, policy, sharding)
+    return logits, pin_cache(cache, config, policy, sharding)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -188,7 +189,7 @@ def _start(params, tokens, lengths, sampling: Sampling, key, eos_ids, pad_id, *,
     """Prefill (in chunks of `prefill_chunk` tokens, if given) and the first sampled token: the decode loop's
     starting state."""
     B = tokens.shape[0]
-    pin = functools.partial(_pin_cache, config=config, policy=policy, sharding=sharding)
+    pin = functools.partial(pin_cache, config=config, policy=policy, sharding=sharding)
     cache = pin(init_cache(config, policy, B, capacity, cache_dtype))
     logits, cache = forward_prefill(params, config, policy, tokens, lengths, cache, chunk=prefill_chunk)
     key, sub = jax.random.split(key)
@@ -209,7 +210,7 @@ def _decode(params, loop: DecodeLoop, sampling: Sampling, eos_ids, pad_id, stop_
             policy: KVPolicy, max_new_tokens: int, sharding=None) -> DecodeLoop:
     """Decode steps until `max_new_tokens` tokens (or `stop_at` ([] int32, traced) if smaller) or every
     sequence's EOS."""
-    pin = functools.partial(_pin_cache, config=config, policy=policy, sharding=sharding)
+    pin = functools.partial(pin_cache, config=config, policy=policy, sharding=sharding)
     limit = max_new_tokens if stop_at is None else jnp.minimum(stop_at, max_new_tokens)
 
     def keep_going(loop: DecodeLoop):
@@ -234,10 +235,10 @@ _DECODE_STATIC = ("config", "policy", "max_new_tokens", "sharding")
 
 #: Prefill and the first token, one compiled program: (params, tokens, lengths, sampling, key, eos_ids, pad_id)
 #: -> DecodeLoop. `generate` runs it and `decode_generation` as two programs to time prefill and decode apart.
-start_generation = jax.jit(_in_mesh_scope(_start), static_argnames=_START_STATIC)
+start_generation = jax.jit(in_mesh_scope(_start), static_argnames=_START_STATIC)
 #: The decode loop from a `start_generation` state (donated): (params, loop, sampling, eos_ids, pad_id[, stop_at])
 #: -> DecodeLoop, stopping after step `stop_at` (traced: any stop point runs the same program) if given.
-decode_generation = jax.jit(_in_mesh_scope(_decode), static_argnames=_DECODE_STATIC, donate_argnames=("loop",))
+decode_generation = jax.jit(in_mesh_scope(_decode), static_argnames=_DECODE_STATIC, donate_argnames=("loop",))
 
 #: `generate`'s decode loop returns to Python about this often (seconds), so that Ctrl-C stops it within about
 #: that time; each return costs a wait for the device and a new call (docs/research_log.md "Ctrl-C").
@@ -266,9 +267,9 @@ def decode_in_chunks(params, loop: DecodeLoop, sampling: Sampling, eos_ids, pad_
     if seconds is None:
         loop = run(loop)
         if on_chunk is not None:
-            on_chunk(np.asarray(loop.out), np.asarray(loop.counts))
+            on_chunk(*to_host((loop.out, loop.counts)))
         return loop
-    step, chunk = int(loop.step), 4
+    step, chunk = int(to_host(loop.step)), 4
     target = min(step + chunk, max_new_tokens)
     loop = run(loop, stop_at=jnp.int32(target))
     last = time.perf_counter()  # after the first call's compile, which happens as it is called
@@ -277,7 +278,8 @@ def decode_in_chunks(params, loop: DecodeLoop, sampling: Sampling, eos_ids, pad_
         status = [jnp.copy(x) for x in (loop.step, loop.done, loop.nonfinite, loop.out, loop.counts)]
         ahead = min(target + chunk, max_new_tokens)
         loop = run(loop, stop_at=jnp.int32(ahead))
-        reached, done, nonfinite, out, counts = jax.device_get(status)
+        # On a mesh spanning processes each holds only its shards: `to_host` gathers the whole on every process.
+        reached, done, nonfinite, out, counts = to_host(status)
         now = time.perf_counter()
         if on_chunk is not None:
             on_chunk(out, counts)
@@ -289,7 +291,7 @@ def decode_in_chunks(params, loop: DecodeLoop, sampling: Sampling, eos_ids, pad_
 
 
 @functools.partial(jax.jit, static_argnames=_START_STATIC)
-@_in_mesh_scope
+@in_mesh_scope
 def generate_ids(
     params,
     tokens: jax.Array,  # [B, T] right-padded prompts
@@ -432,8 +434,9 @@ def generate(
     `max_length` caps prompt + new tokens (default: the model's `max_position_embeddings`).
 
     `mesh` (a `jax.sharding.Mesh` with axes ("data", "model"), or a spec such as "data=2,model=2"; see
-    `clusterkv_jax.sharding`) runs the batch sharded over "data" and the KV heads over "model". The tokens
-    are the same as without a mesh. Parameters are placed once and kept on `model` for later calls (or
+    `clusterkv_jax.sharding`; default: the mesh `load_model` restored the model on, if any) runs the batch sharded
+    over "data" and the KV heads over "model". The tokens are the same as without a mesh. On a mesh that spans
+    processes (`clusterkv_jax.distributed`) every process makes the same call and gets the same result. Parameters are placed once and kept on `model` for later calls (or
     pass a model whose params came from `shard_params`). A batch that does not divide "data" is padded with
     copies of the first prompt; those rows are dropped from the results but stay in `cache`.
 
@@ -478,6 +481,11 @@ def generate(
             prefill_chunk = None  # one chunk: the unchunked program
     n_prompts = len(ids)
     rules, params = None, model.params
+    if mesh is None:
+        mesh = getattr(model, "mesh", None)
+    if mesh is None and jax.process_count() > 1:
+        raise ValueError(f"JAX runs {jax.process_count()} processes: pass mesh= (a mesh over all {jax.device_count()} "
+                         "devices), or load the model with load_model(path, mesh=...)")
     if mesh is not None:
         mesh = sh.make_mesh(mesh)
         ids = ids + [ids[0]] * (sh.padded_batch(n_prompts, mesh) - n_prompts)
@@ -529,7 +537,7 @@ def generate(
         bar.close()
         out, counts, cache = finished[0], finished[1], loop.cache
         end = time.perf_counter()
-    nonfinite = int(loop.nonfinite)
+    nonfinite = int(to_host(loop.nonfinite))
     if nonfinite >= 0:
         where = "the prompt's last position" if nonfinite == 0 else f"generated token {nonfinite}"
         raise FloatingPointError(

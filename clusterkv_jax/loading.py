@@ -21,6 +21,8 @@ class Model:
     params: Any
     tokenizer: Tokenizer | None
     path: str | None = None
+    #: The mesh the parameters were restored on (`load_model(mesh=...)`); `generate` runs there by default.
+    mesh: Any = None
 
 
 def check_params(params: Any, config: ModelConfig) -> None:
@@ -80,10 +82,15 @@ def _param_dtype(dtype: Any):
     return resolved
 
 
-def load_model(path: str | os.PathLike, dtype: Any = None) -> Model:
+def load_model(path: str | os.PathLike, dtype: Any = None, mesh: Any = None) -> Model:
     """Loads a directory written by `python -m checkpoints_convert` (config.json, tokenizer, params/).
 
     `dtype` (e.g. "float32", "bfloat16") casts the parameters; by default they keep the stored dtype.
+    `mesh` (a `jax.sharding.Mesh` with axes ("data", "model"), or a spec such as "data=2,model=2"): the
+    parameters are restored straight into their shards there (`clusterkv_jax.sharding`), each process reading
+    only its own; `generate` then runs on that mesh by default. When JAX runs several processes
+    (`clusterkv_jax.distributed`) and no mesh is given, the mesh is data=<all devices>: every device holds the
+    whole parameters.
     """
     path = os.fspath(path)
     if dtype is not None:
@@ -96,7 +103,15 @@ def load_model(path: str | os.PathLike, dtype: Any = None) -> Model:
     if not converted:
         raise FileNotFoundError(f"{path!r} has no params/ checkpoint; convert a checkpoint into it first: "
                                 f"python -m checkpoints_convert hf|gguf SRC {path}")
-    params = load_params(os.path.join(path, "params"), dtype=dtype)
+    shardings = None
+    if mesh is None and jax.process_count() > 1:
+        mesh = f"data={jax.device_count()}"
+    if mesh is not None:
+        from clusterkv_jax import sharding
+
+        mesh = sharding.make_mesh(mesh)
+        shardings = sharding.param_shardings(config, mesh)
+    params = load_params(os.path.join(path, "params"), dtype=dtype, sharding=shardings)
     check_params(params, config)
     tokenizer = Tokenizer.from_dir(path) if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
-    return Model(config=config, params=params, tokenizer=tokenizer, path=path)
+    return Model(config=config, params=params, tokenizer=tokenizer, path=path, mesh=mesh)

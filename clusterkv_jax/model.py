@@ -64,6 +64,30 @@ def param_shapes(config: ModelConfig) -> Params:
     return shapes
 
 
+#: The logical name of each dim of each layer parameter (`param_shapes`' [L, ...] layouts). `clusterkv_jax.sharding`
+#: splits "heads" / "kv_heads" and "mlp" over the mesh; checkpoints store the head dims in chunks of one head.
+LAYER_PARAM_AXES = {
+    "attn_norm": ("layers", "embed"), "mlp_norm": ("layers", "embed"),
+    "q": ("layers", "embed", "heads", "head_dim"), "k": ("layers", "embed", "kv_heads", "head_dim"),
+    "v": ("layers", "embed", "kv_heads", "head_dim"), "o": ("layers", "heads", "head_dim", "embed"),
+    "gate": ("layers", "embed", "mlp"), "up": ("layers", "embed", "mlp"), "down": ("layers", "mlp", "embed"),
+    "q_bias": ("layers", "heads", "head_dim"), "k_bias": ("layers", "kv_heads", "head_dim"),
+    "v_bias": ("layers", "kv_heads", "head_dim"), "o_bias": ("layers", "embed"),
+    "q_norm": ("layers", "head_dim"), "k_norm": ("layers", "head_dim"),
+    "post_attn_norm": ("layers", "embed"), "post_mlp_norm": ("layers", "embed"),
+}
+#: The same for the parameters outside the layers.
+PARAM_AXES = {"embed": ("vocab", "embed"), "final_norm": ("embed",), "lm_head": ("embed", "vocab")}
+
+
+def param_axes(config: ModelConfig) -> Params:
+    """`param_shapes(config)` with each shape replaced by its dims' logical names (a tuple of str)."""
+    shapes = param_shapes(config)
+    named = {name: PARAM_AXES[name] for name in shapes if name != "layers"}
+    named["layers"] = {name: LAYER_PARAM_AXES[name] for name in shapes["layers"]}
+    return named
+
+
 def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Params:
     """Random parameters (normal, std 0.02; norms at 1) for tests and synthetic benchmarks."""
     shapes = param_shapes(config)

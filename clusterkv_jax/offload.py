@@ -49,18 +49,18 @@ from clusterkv_jax.store import KV_AXES, KVStore, LayerView
 def host_memory_kind() -> str | None:
     """The host memory kind of the default device: pinned_host, else unpinned_host, else None (then the
     'host' store stays in device memory, which is correct but saves nothing; we say so once)."""
-    kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
+    kinds = {m.kind for m in jax.local_devices()[0].addressable_memories()}
     for kind in ("pinned_host", "unpinned_host"):
         if kind in kinds:
             if kind != "pinned_host":
-                warnings.warn(f"{jax.devices()[0].platform} has no pinned_host memory; offloading to {kind}")
+                warnings.warn(f"{jax.local_devices()[0].platform} has no pinned_host memory; offloading to {kind}")
             return kind
-    warnings.warn(f"{jax.devices()[0].platform} has no host memory kind; offloaded KV stays in device memory")
+    warnings.warn(f"{jax.local_devices()[0].platform} has no host memory kind; offloaded KV stays in device memory")
     return None
 
 
 def _sharding(kind: str | None):
-    return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind or "device")
+    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0], memory_kind=kind or "device")
 
 
 def _memory(kind: str | None):

@@ -19,10 +19,11 @@ What each array gets (`data` / `model` are the mesh axes; "-" is replicated):
 | policy state, window ring and recall cache leaves | the B dim on data, the KV / selection-head dim on model |
 | a host store's k / v [n, B, K, S, H] | (-, data, model, -, -), memory kind pinned_host |
 
-Every cache array declares its logical axes where it is defined (`clusterkv_jax.axes`): a tree map turns them
-into specs (`LOGICAL_RULES`: "batch" on the batch's mesh axis, "kv_heads" and "heads" on the heads'; every other
-dim replicated), and their memory into memory kinds (`cache.memory_kinds`). A policy state array that declares
-nothing (a custom policy's bare array) is replicated.
+Every cache array declares its logical axes where it is defined (`clusterkv_jax.axes`), and every parameter in
+`model.param_axes`: a tree map turns them into specs (`LOGICAL_RULES`: "batch" on the batch's mesh axis,
+"kv_heads" and "heads" on the heads', "mlp" on the MLP width's; every other dim replicated), and the cache's
+memory into memory kinds (`cache.memory_kinds`). A policy state array that declares nothing (a custom policy's
+bare array) is replicated.
 
 The Pallas kernels are custom calls the partitioner cannot split; `ops.per_shard` runs them under `shard_map`,
 once per device on its shard of the batch and heads, so a sharded ClusterKV keeps its kernels.
@@ -51,7 +52,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from clusterkv_jax import axes
 from clusterkv_jax.cache import KVCache, init_cache, memory_kinds
 from clusterkv_jax.config import ModelConfig
-from clusterkv_jax.model import param_shapes
+from clusterkv_jax.model import param_axes
 from clusterkv_jax.offload import host_memory_kind
 from clusterkv_jax.ops import ShardAxes
 
@@ -196,7 +197,7 @@ def check_mesh_for_model(spec, model_dir: str, dtype) -> None:
 
 
 #: The logical axes that are split, and the `ShardingRules` field naming the mesh axis each one uses.
-LOGICAL_RULES = {"batch": "batch", "kv_heads": "heads", "heads": "heads"}
+LOGICAL_RULES = {"batch": "batch", "kv_heads": "heads", "heads": "heads", "mlp": "mlp"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,17 +261,10 @@ def _as_rules(config, mesh_or_rules, batch_size=None) -> ShardingRules:
 
 
 def param_specs(config: ModelConfig, rules: ShardingRules) -> dict[str, Any]:
-    """PartitionSpecs in the layout of `model.param_shapes`: Megatron-style heads / MLP split on "model"."""
-    h, f = rules.heads, rules.mlp
-    by_name = {
-        "q": P(None, None, h, None), "k": P(None, None, h, None), "v": P(None, None, h, None),
-        "o": P(None, h, None, None),
-        "q_bias": P(None, h, None), "k_bias": P(None, h, None), "v_bias": P(None, h, None),
-        "gate": P(None, None, f), "up": P(None, None, f), "down": P(None, f, None),
-    }
-    shapes = param_shapes(config)
-    layers = {name: by_name.get(name, P()) for name in shapes["layers"]}
-    return {name: (layers if name == "layers" else P()) for name in shapes}
+    """PartitionSpecs in the layout of `model.param_shapes`, from the logical axes `model.param_axes` names:
+    Megatron-style heads / MLP width split on "model"."""
+    return jax.tree.map(lambda names: rules.spec(axes.Axes(names)), param_axes(config),
+                        is_leaf=lambda x: isinstance(x, tuple))
 
 
 def param_shardings(config: ModelConfig, mesh_or_rules) -> dict[str, Any]:

@@ -404,7 +404,7 @@ def test_hf_unsupported_config_is_refused(tmp_path, override, message):
 def test_failed_conversion_leaves_nothing_behind(tmp_path, monkeypatch):
     src = write_tiny_hf(tmp_path / "src")
 
-    def failing_save(path, params):
+    def failing_save(path, params, axes=None):
         os.makedirs(path)
         open(os.path.join(path, "partial"), "w").close()
         raise RuntimeError("disk full")

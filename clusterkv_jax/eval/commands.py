@@ -6,8 +6,8 @@ import argparse
 import os
 import sys
 
-from clusterkv_jax.commands import (HelpFormatter, add_policy_flags, int_list, model_and_text, nonnegative_int,
-                                    policy_list, policy_options, positive_int)
+from clusterkv_jax.commands import (HelpFormatter, add_mesh_flags, add_policy_flags, int_list, model_and_text,
+                                    nonnegative_int, policy_list, policy_options, positive_int, prepare_mesh)
 
 
 def _load_eval_model(args):
@@ -24,6 +24,13 @@ def _finish(results, args, name, tables, title, fmt="{:.3f}") -> int:
 
     for metric, table in tables.items():
         print(f"{metric}\n{markdown_table(table, fmt)}\n")
+    if getattr(args, "distributed", False):
+        import jax
+
+        if jax.process_index() != 0:  # every process has the same results; one writes them (a shared disk)
+            if args.out or getattr(args, "json", None):
+                print(f"process {jax.process_index()}: process 0 writes the files", file=sys.stderr)
+            return 0
     if args.out:
         paths = write_report(results, args.out, name, tables, title, fmt)
         print("wrote " + ", ".join(paths.values()), file=sys.stderr)
@@ -57,7 +64,12 @@ def cmd_recall(args) -> int:
 def cmd_ppl(args) -> int:
     from clusterkv_jax.eval.ppl import run_ppl
 
+    prepare_mesh(args)
     model, ids = model_and_text(args)
+    if args.mesh:  # each process holds its shards, not the whole
+        from clusterkv_jax.distributed import describe_share
+
+        print(describe_share("the parameters", model.params), file=sys.stderr)
     results = run_ppl(model, ids, context=args.context, eval_tokens=args.eval_tokens, budgets=args.budgets,
                       policy_names=args.policies, windows=args.windows, policy_options=policy_options(args))
     return _finish(results, args, "ppl", {"perplexity": results["ppl"], "perplexity - full": results["delta_vs_full"],
@@ -155,6 +167,7 @@ def register(sub) -> None:
     p.add_argument("--context", type=positive_int, default=8000)
     p.add_argument("--eval-tokens", type=positive_int, default=1024)
     p.add_argument("--windows", type=positive_int, default=1)
+    add_mesh_flags(p)
     a = eval_parser("agreement", "greedy continuations under each policy vs full KV", cmd_agreement,
                     "clusterkv,quest,streaming")
     a.add_argument("--context", type=positive_int, default=8000)

@@ -20,24 +20,30 @@ from tqdm.auto import tqdm
 from clusterkv_jax.cache import init_cache
 from clusterkv_jax.config import ModelConfig
 from clusterkv_jax.policies import make_policy
-from clusterkv_jax.generate import bucket_length, cache_capacity
+from clusterkv_jax import sharding as sh
+from clusterkv_jax.distributed import to_host
+from clusterkv_jax.generate import bucket_length, cache_capacity, in_mesh_scope, pin_cache
 from clusterkv_jax.model import forward_decode, forward_prefill
 from clusterkv_jax.policies import FullKV
 from clusterkv_jax.policies.base import KVPolicy
 
 
-@functools.partial(jax.jit, static_argnames=("config", "policy", "capacity", "cache_dtype", "keep_log_probs"))
+@functools.partial(jax.jit, static_argnames=("config", "policy", "capacity", "cache_dtype", "keep_log_probs",
+                                             "sharding"))
+@in_mesh_scope
 def teacher_forced(params, prompt, lengths, continuation, reference=None, *, config: ModelConfig, policy: KVPolicy,
-                   capacity: int, cache_dtype, keep_log_probs: bool = False) -> dict[str, jax.Array]:
+                   capacity: int, cache_dtype, keep_log_probs: bool = False, sharding=None) -> dict[str, jax.Array]:
     """prompt [B, T] right-padded with lengths [B]; continuation [B, E] the tokens that follow.
 
     Scores each continuation token, the first from the prefill logits, the rest from decode steps that feed the
     previous continuation token: {"nll": [B, E]}, plus, given full KV's log-probabilities `reference`
     [B, E, V], "kl" [B, E] (KL(full || policy) of the next-token distributions) and "top1" [B, E] (both put the
     same token first); with `keep_log_probs`, "log_probs" [B, E, V] (to be a later run's reference).
+    `sharding`: `clusterkv_jax.sharding.ShardingRules` to keep the cache in its mesh layout.
     """
     B = prompt.shape[0]
-    cache = init_cache(config, policy, B, capacity, cache_dtype)
+    pin = functools.partial(pin_cache, config=config, policy=policy, sharding=sharding)
+    cache = pin(init_cache(config, policy, B, capacity, cache_dtype))
     logits, cache = forward_prefill(params, config, policy, prompt, lengths, cache)
 
     def scored(logits, t, target):  # position t's scores from logits [B, V]
@@ -55,8 +61,8 @@ def teacher_forced(params, prompt, lengths, continuation, reference=None, *, con
 
     def step(cache, xs):
         t, feed, target = xs
-        logits, cache = forward_decode(params, config, policy, feed, cache)
-        return cache, scored(logits, t, target)
+        logits, cache = forward_decode(params, config, policy, feed, pin(cache))
+        return pin(cache), scored(logits, t, target)
 
     E = continuation.shape[1]
     _, rest = jax.lax.scan(step, cache, (jnp.arange(1, E), continuation[:, :-1].T, continuation[:, 1:].T))
@@ -98,11 +104,19 @@ def window_scores(model, token_ids: list[int], offsets: list[int], context: int,
         prompt[i, :context] = token_ids[o : o + context]
         cont[i] = token_ids[o + context : o + context + eval_tokens]
     dtype = jax.tree_util.tree_leaves(model.params)[0].dtype
-    out = teacher_forced(model.params, jnp.asarray(prompt), jnp.full((len(offsets),), context, jnp.int32),
-                         jnp.asarray(cont), None if reference is None else jnp.asarray(reference),
-                         config=model.config, policy=policy, capacity=cache_capacity(bucket, eval_tokens),
-                         cache_dtype=dtype, keep_log_probs=keep_log_probs)
-    return {k: np.asarray(v) for k, v in out.items()}
+    lengths = np.full((len(offsets),), context, np.int32)
+    mesh = getattr(model, "mesh", None)
+    if mesh is None:
+        place, rules, params = jnp.asarray, None, model.params
+    else:  # the model's mesh (load_model(mesh=...)): windows on "data", KV heads on "model"
+        rules = sh.sharding_rules(model.config, mesh, len(offsets))
+        params = sh.shard_params(model.params, model.config, rules)
+        place = functools.partial(sh.shard_batch, mesh_or_rules=rules)
+    out = teacher_forced(params, place(prompt), place(lengths), place(cont),
+                         None if reference is None else place(reference), config=model.config, policy=policy,
+                         capacity=cache_capacity(bucket, eval_tokens), cache_dtype=dtype,
+                         keep_log_probs=keep_log_probs, sharding=rules)
+    return to_host(out)
 
 
 def run_ppl(model, token_ids: list[int], *, context: int, eval_tokens: int, budgets: list[int],

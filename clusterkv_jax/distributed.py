@@ -1,0 +1,153 @@
+"""Several processes, one mesh: JAX's multi-controller runtime (`jax.distributed`).
+
+Every process (one per host: a TPU slice's hosts, GPU nodes, or processes on one machine) runs the same
+program: `initialize` joins them, after which `jax.devices()` lists every process's devices and a mesh over
+them spans the processes. `load_model(path, mesh=...)` then restores only this process's shards of the
+parameters, and `generate` / `eval ppl` take the same prompts on every process and return the same tokens and
+figures on every process. Each process holds its own shards of the KV cache (offloaded ones in its own host
+memory).
+
+Where a process finds its place: the arguments of `initialize`, else the environment, `JAX_COORDINATOR_ADDRESS`
+(read by JAX itself), `JAX_NUM_PROCESSES` and `JAX_PROCESS_ID`; else JAX's own detection (SLURM, Open MPI, Cloud
+TPU), which needs none of them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from typing import Any
+
+import jax
+import numpy as np
+
+#: The environment variables `initialize` reads for what its arguments leave out.
+COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
+#: Seconds a process waits for all the others to join before giving up.
+DEFAULT_TIMEOUT = 300
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    if not value.strip().isdigit():
+        raise ValueError(f"${name} must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
+               *, local_cpu_devices: int | None = None, timeout: int = DEFAULT_TIMEOUT,
+               timeout_prefix: str = "clusterkv_jax.distributed: ", timeout_exit_code: int = 1) -> None:
+    """Joins this process to the others (`jax.distributed.initialize`), before JAX starts its backends.
+
+    `coordinator` ("HOST:PORT", reachable from every process; process 0 listens there), `num_processes` and
+    `process_id` (0 .. num_processes-1) default to `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`,
+    `JAX_PROCESS_ID`, else to JAX's cluster detection. `local_cpu_devices`: CPU devices this process gets
+    (XLA_FLAGS, when it does not name a count already). CPU processes exchange data over gloo.
+
+    When not every process has joined after `timeout` seconds, the process ends with `timeout_exit_code` after
+    one line on stderr saying so (JAX's runtime would abort it a little later with a C++ stack trace).
+    """
+    coordinator = coordinator or os.environ.get(COORDINATOR_ENV) or None
+    num_processes = num_processes if num_processes is not None else _env_int(NUM_PROCESSES_ENV)
+    process_id = process_id if process_id is not None else _env_int(PROCESS_ID_ENV)
+    if num_processes is not None and num_processes < 1:
+        raise ValueError(f"the number of processes must be >= 1, got {num_processes}")
+    if num_processes is not None and process_id is not None and not 0 <= process_id < num_processes:
+        raise ValueError(f"process id {process_id} is not in 0..{num_processes - 1} ({num_processes} processes)")
+    if (num_processes is None) != (process_id is None) and coordinator is not None:
+        missing = "the number of processes" if num_processes is None else "this process's id"
+        raise ValueError(f"{missing} is not given (--num-processes / ${NUM_PROCESSES_ENV}, --process-id / "
+                         f"${PROCESS_ID_ENV})")
+    if coordinator is not None:
+        host, colon, port = coordinator.rpartition(":")
+        if not colon or not host or not port.isdigit():
+            raise ValueError(f"the coordinator address must be HOST:PORT (e.g. 10.0.0.1:1234), got {coordinator!r}")
+    if local_cpu_devices is not None:
+        flags = os.environ.get("XLA_FLAGS", "")
+        if "xla_force_host_platform_device_count" not in flags:
+            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={local_cpu_devices}".strip()
+    # CPU devices of different processes talk over gloo (the default, none, cannot cross processes); GPU and TPU
+    # backends ignore this setting.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    where = f"process {process_id if process_id is not None else '?'} of {num_processes or '?'}"
+    joined = threading.Event()
+
+    def give_up() -> None:
+        # JAX's client aborts the whole process (C++ fatal error) when its connect deadline passes, so nothing
+        # can be caught in Python: this watchdog says what happened first, and ends the process itself.
+        if not joined.wait(timeout):
+            sys.stderr.write(
+                f"{timeout_prefix}{where}: not every process joined the coordinator at "
+                f"{coordinator or '(detected)'} within {timeout} s; start the same command on each of the "
+                f"{num_processes or 'N'} processes, each with its own process id and the same coordinator\n")
+            sys.stderr.flush()
+            os._exit(timeout_exit_code)
+
+    threading.Thread(target=give_up, name="distributed-timeout", daemon=True).start()
+    try:
+        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                                   process_id=process_id, initialization_timeout=timeout + 60)
+    except ValueError as error:
+        if coordinator is None and "coordinator_address" in str(error):
+            raise ValueError(
+                f"no coordinator given and none detected; pass --coordinator HOST:PORT --num-processes N "
+                f"--process-id I (or set ${COORDINATOR_ENV}, ${NUM_PROCESSES_ENV}, ${PROCESS_ID_ENV})") from None
+        raise
+    finally:
+        joined.set()
+
+
+def native_output_to_stderr() -> None:
+    """Sends what native libraries print on stdout (gloo reports each connection there) to stderr, and keeps
+    Python's `print` on the real stdout: stdout holds only the command's results."""
+    sys.stdout.flush()
+    real_stdout = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = os.fdopen(real_stdout, "w", buffering=1, encoding=sys.stdout.encoding, errors=sys.stdout.errors)
+
+
+def is_multiprocess() -> bool:
+    return jax.process_count() > 1
+
+
+def to_host(tree: Any) -> Any:
+    """Every array of `tree` as one numpy array on every process (a global array's shards of all processes
+    gathered; a local array as it is)."""
+    from jax.experimental import multihost_utils
+
+    def fetch(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return multihost_utils.process_allgather(x, tiled=True)
+        return np.asarray(x)
+
+    return jax.tree.map(fetch, tree)
+
+
+def held_bytes(tree: Any) -> dict[str, int]:
+    """Bytes of `tree`'s arrays: "held", the distinct parts on this process's devices (a part copied on two of
+    them counts once); "with_copies", every copy on them; "whole", one copy of everything."""
+    held = with_copies = whole = 0
+    for x in jax.tree_util.tree_leaves(tree):
+        if isinstance(x, jax.Array):
+            parts = {}
+            for shard in x.addressable_shards:
+                key = tuple((s.start, s.stop) for s in shard.index)
+                parts[key] = shard.data.nbytes
+                with_copies += shard.data.nbytes
+            held += sum(parts.values())
+            whole += x.nbytes
+    return {"held": held, "with_copies": with_copies, "whole": whole}
+
+
+def describe_share(what: str, tree: Any) -> str:
+    """"process 0 of 2 holds 0.26 of the 0.51 MB of the parameters (51%; 0.52 MB with the copies on its 2
+    devices)"."""
+    b = held_bytes(tree)
+    share = f"{100 * b['held'] / b['whole']:.0f}%" if b["whole"] else "-"
+    mb = lambda n: f"{n / 1e6:.2f}"  # noqa: E731
+    return (f"process {jax.process_index()} of {jax.process_count()} holds {mb(b['held'])} of the {mb(b['whole'])} MB "
+            f"of {what} ({share}; {mb(b['with_copies'])} MB with the copies on its {jax.local_device_count()} "
+            "devices)")

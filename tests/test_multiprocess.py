@@ -1,0 +1,199 @@
+"""Several JAX processes, one mesh (`clusterkv_jax.distributed`): two processes on this machine, 2 CPU devices each,
+joined over gloo, against one process with 4 devices and the same mesh. They must generate the same tokens (full
+KV, ClusterKV, ClusterKV offloaded, and ClusterKV with the heads split over all 4 devices) and score the same
+perplexities, each process holding (and reading from the checkpoint) only its shards. The command line's
+`--distributed` gives what one process gives, and a process whose peer never joins ends with one line.
+
+Each run is a subprocess of its own (`tests/multiprocess_check.py`, the CLI) with a time limit: a hung peer
+fails the test instead of hanging the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from unittest import mock
+
+import pytest
+
+from tests.test_reliability import assert_one_line_error
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LIMIT_S = 300  # each group of processes; one run takes about a minute here
+KV_POLICIES = ("full", "clusterkv", "clusterkv_offload", "clusterkv_tensor_parallel")
+SMALL_FLAGS = ["--sinks", "4", "--tokens-per-cluster", "8", "--decode-interval", "8", "--decode-clusters", "2",
+               "--full-layers", "1"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env_with_devices(n: int) -> dict:
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", PYTHONUNBUFFERED="1")
+    env.pop("JAX_PLATFORMS", None)
+    return env
+
+
+def run_together(commands: list[list[str]], env: dict, limit: float = LIMIT_S) -> list[subprocess.CompletedProcess]:
+    """Runs the commands at once; all are killed if they have not all ended within `limit` seconds."""
+    procs = [subprocess.Popen(c, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for c in commands]
+    deadline = time.monotonic() + limit
+    results = []
+    try:
+        for c, p in zip(commands, procs):
+            out, err = p.communicate(timeout=max(deadline - time.monotonic(), 1))
+            results.append(subprocess.CompletedProcess(c, p.returncode, out, err))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"{commands[0][:6]}... did not end within {limit} s")
+    return results
+
+
+def distributed(i: int, port: int) -> list[str]:
+    return ["--distributed", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)]
+
+
+def check_ok(results):
+    for r in results:
+        assert r.returncode == 0, f"{r.args[:8]} failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-5000:]}"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("multiprocess")
+    check_ok(run_together([[sys.executable, "-m", "tests.multiprocess_check", "make", str(root)]], env_with_devices(1)))
+    return str(root / "model")
+
+
+@pytest.fixture(scope="module")
+def reports(tiny, tmp_path_factory):
+    """(one process's report, [process 0's, process 1's])."""
+    out = tmp_path_factory.mktemp("reports")
+    check = [sys.executable, "-m", "tests.multiprocess_check", "run", tiny]
+    check_ok(run_together([check + [str(out / "one.json")]], env_with_devices(4)))
+    port = free_port()
+    check_ok(run_together([check + [str(out / f"p{i}.json"), "--distributed", "--coordinator", f"127.0.0.1:{port}",
+                                    "--num-processes", "2", "--process-id", str(i)] for i in range(2)],
+                          env_with_devices(2)))
+    load = lambda name: json.loads((out / name).read_text())  # noqa: E731
+    return load("one.json"), [load("p0.json"), load("p1.json")]
+
+
+def test_two_processes_generate_the_same_tokens_as_one(reports):
+    one, two = reports
+    assert one["devices"] == 4 and one["processes"] == 1
+    assert [r["process"] for r in two] == [0, 1] and all(r["devices"] == 4 and r["processes"] == 2 for r in two)
+    for name in KV_POLICIES:
+        assert two[0]["tokens"][name] == one["tokens"][name], name
+        assert two[1]["tokens"][name] == one["tokens"][name], name
+    # The comparison can fail: ClusterKV's budget of 16 changes what these prompts generate.
+    assert one["tokens"]["clusterkv"] != one["tokens"]["full"]
+    assert one["tokens"]["clusterkv_offload"] == one["tokens"]["clusterkv"]
+
+
+def test_two_processes_score_the_same_perplexity(reports):
+    one, two = reports
+    for r in two:
+        for metric in ("ppl", "delta_vs_full", "top1_agreement", "kl_vs_full"):
+            for policy, by_budget in one["ppl"][metric].items():
+                assert r["ppl"][metric][policy] == pytest.approx(by_budget, rel=1e-6), (metric, policy)
+    assert one["ppl"]["ppl"]["clusterkv"]["16"] != pytest.approx(one["ppl"]["ppl"]["full"]["16"], rel=1e-3)
+
+
+def test_each_process_holds_its_shards(reports):
+    one, two = reports
+    for r in two:
+        for name in KV_POLICIES:
+            held = r["kv_held"][name]
+            # The batch (data=2) is split between the processes; only the [B] lengths are replicated.
+            assert held["whole"] == one["kv_held"][name]["whole"]
+            assert 0.5 * held["whole"] <= held["held"] < 0.52 * held["whole"], (name, held)
+        # data=2,model=2: the parameters are replicated over "data", which crosses the processes, and split over
+        # "model" inside each: each process holds one whole copy, half on each of its devices.
+        assert r["params_held"]["held"] == r["params_held"]["whole"]
+        assert r["params_held"]["with_copies"] < 1.2 * r["params_held"]["whole"]
+        # model=4: the heads and the MLP width over all 4 devices: each process holds half of them (and the
+        # replicated embeddings and norms).
+        tp = r["tensor_parallel_params_held"]
+        assert tp["held"] < 0.6 * tp["whole"], tp
+    assert one["tensor_parallel_params_held"]["held"] == one["tensor_parallel_params_held"]["whole"]
+
+
+def test_each_process_reads_only_its_chunks_of_the_checkpoint(reports):
+    one, two = reports
+    # Linux's count of bytes read while load_model(mesh="model=4") ran: one process reads all of params/, each of
+    # two only the chunks its heads and MLP columns lie in.
+    assert one["tensor_parallel_read"] >= 0.95 * one["params_files"]
+    for r in two:
+        assert r["tensor_parallel_read"] < 0.65 * r["params_files"], r["tensor_parallel_read"]
+
+
+def test_cli_generate_and_eval_ppl_with_distributed(tiny):
+    text = os.path.join(os.path.dirname(tiny), "text.txt")
+    with open(text, encoding="utf-8") as f:
+        prompt = " ".join(f.read().split()[:40])
+    cli = [sys.executable, "-m", "clusterkv_jax.cli"]
+    generate = cli + ["generate", "--model", tiny, "--prompt", prompt, "--max-new-tokens", "12", "--policy",
+                      "clusterkv", "--budget", "16", *SMALL_FLAGS, "--mesh", "data=2,model=2"]
+    ppl = cli + ["eval", "ppl", "--model", tiny, "--text", text, "--context", "100", "--eval-tokens", "24",
+                 "--budgets", "16", "--policies", "clusterkv", *SMALL_FLAGS, "--mesh", "data=2,model=2"]
+    for command in (generate, ppl):
+        [alone] = run_together([command], env_with_devices(4))
+        check_ok([alone])
+        port = free_port()
+        pair = run_together([command + distributed(i, port) for i in range(2)], env_with_devices(2))
+        check_ok(pair)
+        for i, r in enumerate(pair):
+            # stdout holds the same results as one process's (gloo's connection reports went to stderr).
+            assert r.stdout == alone.stdout, (command[3], r.stdout, alone.stdout)
+            assert f"process {i} of 2 holds" in r.stderr and "the parameters" in r.stderr
+            if command is generate:
+                kv = next(line for line in r.stderr.splitlines() if "of the KV cache" in line)
+                assert "(50%;" in kv, kv
+
+
+@pytest.mark.parametrize("process_id", [0, 1])
+def test_a_peer_that_never_joins_ends_with_one_line(tiny, process_id):
+    start = time.monotonic()
+    [r] = run_together([[sys.executable, "-m", "clusterkv_jax.cli", "generate", "--model", tiny, "--prompt", "word",
+                         "--mesh", "data=2,model=2", "--distributed-timeout", "3", *distributed(process_id, free_port())]],
+                       env_with_devices(2), limit=120)
+    assert time.monotonic() - start < 90
+    assert_one_line_error(r, f"process {process_id} of 2: not every process joined", "within 3 s")
+
+
+def test_distributed_flags_are_checked_before_anything_starts(tiny):
+    cli = [sys.executable, "-m", "clusterkv_jax.cli", "generate", "--model", tiny, "--prompt", "word"]
+    for extra, message in ((["--process-id", "1"], "--process-id needs --distributed"),
+                           (["--distributed"], "--distributed needs --mesh"),
+                           (["--distributed", "--mesh", "data=3", "--num-processes", "2", "--process-id", "0",
+                             "--coordinator", "127.0.0.1:1"], "3 devices, which 2 processes cannot share"),
+                           (["--distributed", "--mesh", "data=2", "--num-processes", "2", "--process-id", "2",
+                             "--coordinator", "127.0.0.1:1"], "process id 2 is not in 0..1"),
+                           (["--distributed", "--mesh", "data=2", "--num-processes", "2", "--process-id", "0",
+                             "--coordinator", "localhost"], "must be HOST:PORT")):
+        [r] = run_together([cli + extra], env_with_devices(1), limit=60)
+        assert_one_line_error(r, message)
+
+
+def test_a_failed_restore_is_called_corrupt_only_for_damaged_files(tiny):
+    """A restore that fails for another reason (here: a peer process gone, as gloo reports it) says what failed
+    and does not blame the files; damaged files are tested in test_reliability."""
+    import orbax.checkpoint as ocp
+
+    from clusterkv_jax import checkpoint
+
+    gone = RuntimeError("Gloo context initialization failed: Timed out waiting for peer 1")
+    with mock.patch.object(ocp.StandardCheckpointer, "restore", side_effect=gone):
+        with pytest.raises(RuntimeError, match="failed: Gloo context initialization failed") as info:
+            checkpoint.load_params(os.path.join(tiny, "params"))
+    assert "corrupt" not in str(info.value) and "not found damaged" in str(info.value)
