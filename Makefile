@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --disable-pip-version-check -q
 
-.PHONY: setup setup-test demo test check-lowering aot-cuda aot-tpu clean
+.PHONY: setup setup-test demo test test-fast check-lowering aot-cuda aot-tpu clean
 
 # constraints.txt: the exact versions we test with (pyproject.toml declares ranges).
 $(VENV)/.base: pyproject.toml constraints.txt
@@ -30,8 +30,19 @@ setup-test: $(VENV)/.test
 demo: setup
 	$(VENV)/bin/clusterkv demo
 
+# The suite runs in TEST_WORKERS processes (pytest-xdist), each test file in one of them (its module fixtures built
+# once), the longest files first (tests/conftest.py); PYTEST_ARGS adds pytest options, e.g. PYTEST_ARGS="--durations=10" or PYTEST_ARGS="-k kmeans".
+TEST_WORKERS ?= 2
+PYTEST_ARGS ?=
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+
 test: setup-test
-	$(PY) -m pytest -q
+	$(PYTEST)
+
+# The tests that convert no checkpoint, run no notebook and spawn no process (`slow` marks the others, see
+# tests/conftest.py): a few minutes, for working on one area. `make test` stays the whole suite (what CI runs).
+test-fast: setup-test
+	CLUSTERKV_FAST_TESTS=1 $(PYTEST) -m "not slow"
 
 check-lowering: setup
 	$(PY) -m pallas_kernels.check_lowering
@@ -44,10 +55,13 @@ $(VENV)-aot-%/.aot: pyproject.toml constraints.txt
 	$(VENV)-aot-$*/bin/python -m pip install --disable-pip-version-check -q -c constraints.txt -e '.[aot-$*]' pytest
 	touch $@
 
+# `make -j2 --output-sync=target aot-cuda aot-tpu` runs the two side by side (.ci/run does), each one's output whole.
 aot-cuda aot-tpu: aot-%: $(VENV)-aot-%/.aot
+	start=$$(date +%s) && \
 	JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 CLUSTERKV_AOT_REQUIRED=$* $(VENV)-aot-$*/bin/python -m pytest -q \
-	    -p no:cacheprovider tests/test_aot.py
-	JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $(VENV)-aot-$*/bin/python -m clusterkv_jax.aot --platform $*
+	    -p no:cacheprovider tests/test_aot.py && \
+	JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $(VENV)-aot-$*/bin/python -m clusterkv_jax.aot --platform $* && \
+	echo "aot-$*: compiled and checked in $$(( $$(date +%s) - start ))s"
 
 clean:
 	rm -rf $(VENV) $(VENV)-aot-cuda $(VENV)-aot-tpu .pytest_cache .hypothesis

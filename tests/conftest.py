@@ -3,15 +3,119 @@ model (the reference), as an HF safetensors directory, and converted to our form
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
+import shutil
+import tempfile
 
 import pytest
+
+# One persistent compilation cache for the whole run, set before JAX starts: this process, the pytest-xdist workers
+# and every subprocess (CLI, examples, notebook kernel, distributed peers) inherit it through the environment.
+# Most of the suite's time is XLA compiling; the same program (SmolLM2's decode step under one policy, a tiny
+# family model's prefill) is otherwise compiled again after each module's `release_compiled_programs` and in each
+# subprocess. Entries of programs that compile in under 0.1 s would cost more to write than to compile again.
+# Set JAX_COMPILATION_CACHE_DIR yourself to keep the cache across runs (a faster edit-test loop; CI starts empty).
+if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    _OWN_CACHE = tempfile.mkdtemp(prefix="clusterkv-tests-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
+    atexit.register(shutil.rmtree, _OWN_CACHE, ignore_errors=True)  # by the process that made it
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+# A size bound turns on the cache's file lock, so processes that share it never read an entry half written.
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 << 30))
+
+# LLVM's expensive passes off for the suite's programs (each runs for microseconds on tiny shapes; compiling them is
+# most of the suite's time): 20-30% less compile time on test_families' programs, with test_model's logits against
+# HF, K-means against NumPy and ClusterKV's oracles as they were. Not for users' programs: clusterkv_jax sets
+# nothing of the kind. A subprocess inherits it with the rest of the environment.
+if "xla_llvm_disable_expensive_passes" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_llvm_disable_expensive_passes=true").strip()
 
 # Sets clusterkv_jax's XLA:CPU flags (clusterkv_jax/__init__.py) before any test module can start JAX's backends.
 import clusterkv_jax  # noqa: E402, F401
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# The assert statements that ran and passed (pyproject's enable_assertion_pass_hook), summed over xdist workers:
+# the count shows that a faster suite kept its checks.
+_ASSERTIONS_PASSED = 0
+
+
+def pytest_assertion_pass(item, lineno, orig, expl):
+    global _ASSERTIONS_PASSED
+    _ASSERTIONS_PASSED += 1
+
+
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)  # set in an xdist worker
+    if workeroutput is not None:
+        workeroutput["assertions_passed"] = _ASSERTIONS_PASSED
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):  # xdist's controller, as each worker finishes
+    global _ASSERTIONS_PASSED
+    _ASSERTIONS_PASSED += getattr(node, "workeroutput", {}).get("assertions_passed", 0)
+
+
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line(f"assert statements passed: {_ASSERTIONS_PASSED}")
+
+
+# `make test-fast` (CLUSTERKV_FAST_TESTS=1, -m "not slow"): the tests that convert no checkpoint, run no notebook and
+# spawn no process. `slow` marks the others: by module (`pytestmark`) or test, and here every test that uses a
+# fixture that converts. In that run a conversion or a new process fails the test that tried it, naming the
+# marker, so the fast set stays what it says.
+CONVERTING_FIXTURES = frozenset({"smollm2_hf_dir", "smollm2_converted_dir", "tiny_model"})
+
+
+# The files that take longest (each runs whole in one xdist worker: `make test`'s --dist loadfile), started first
+# so that neither worker is left with one of them at the end. From `pytest --durations=0`.
+LONGEST_FIRST = ("test_sharding.py", "test_multiprocess.py", "test_families.py", "test_demo.py", "test_bench.py",
+                 "test_reliability.py", "test_clusterkv.py", "test_examples.py", "test_generate.py", "test_eval.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if CONVERTING_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its order
+
+
+def pytest_configure(config):
+    import signal
+
+    # Tests send SIGINT and SIGQUIT to the processes they start. A test run started in the background (`cmd &`
+    # in a script) or in a pytest-xdist worker has them ignored, and children inherit an ignored signal: restore
+    # the defaults here, so every child starts as it would from a shell.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGQUIT) == signal.SIG_IGN:
+        signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _fast_set_stays_fast():
+    """In `make test-fast`, before any test's fixtures (in each process that runs tests, not xdist's controller)."""
+    if not os.environ.get("CLUSTERKV_FAST_TESTS"):
+        yield
+        return
+    import subprocess
+
+    from checkpoints_convert import common, gguf, hf
+
+    def refuse(what):
+        def refused(*args, **kwargs):
+            raise AssertionError(f"a test of the fast set (make test-fast) {what}: mark it @pytest.mark.slow")
+        return refused
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess.Popen, "__init__", refuse("started a process"))
+        for module in (common, gguf, hf):  # every conversion publishes through staging_dir
+            patch.setattr(module, "staging_dir", refuse("converted a checkpoint"))
+        yield
 
 
 def release_compiled_programs():

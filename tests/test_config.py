@@ -142,6 +142,7 @@ AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma"})
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl"}
 
 
+@pytest.mark.slow  # starts Python processes
 @pytest.mark.parametrize("flags, machine, features, want", [
     ("", "x86_64", AVX2, f"{SCHEDULER} {YNN}"),  # YNNPACK's dots were the inaccurate ones on AVX2
     ("", "x86_64", AVX512, SCHEDULER),  # and as good as NumPy's, and faster, with AVX-512

@@ -21,6 +21,9 @@ from clusterkv_jax.checkpoint import load_params
 from clusterkv_jax.config import ModelConfig
 from tests.helpers import GGUF_GLOBAL, GGUF_NAMES
 
+# Slow (not in make test-fast): converts checkpoints.
+pytestmark = pytest.mark.slow
+
 # ----------------------------------------------------------------------------------------------------------
 # Tiny random checkpoints
 # ----------------------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 all on SmolLM2-135M (the `smollm2_converted_dir` fixture) with CLUSTERKV_EXAMPLE_FAST=1 (tiny contexts,
 budgets and step counts). Each prints how long it took (`pytest -s` shows it).
 
-The subprocesses and the notebook kernel share a JAX persistent compilation cache in a temporary directory,
+The subprocesses and the notebook kernel inherit the test run's JAX persistent compilation cache (tests/conftest.py),
 so a program compiled by one example (the same policy, prompt bucket and length) is not compiled again.
 """
 
@@ -20,6 +20,9 @@ import pytest
 
 from tests.helpers import REPO_ROOT, long_text
 
+# Slow (not in make test-fast): runs the examples and the notebook in processes of their own.
+pytestmark = pytest.mark.slow
+
 EXAMPLES = os.path.join(REPO_ROOT, "examples")
 NOTEBOOK = os.path.join(EXAMPLES, "clusterkv_colab.ipynb")
 
@@ -36,7 +39,6 @@ def example_env(smollm2_converted_dir, tmp_path_factory) -> dict[str, str]:
         "CLUSTERKV_EXAMPLE_TEXT": str(text),
         "CLUSTERKV_CACHE": str(tmp / "cache"),  # nothing may convert into the user's cache
         "PYTHONPATH": pythonpath,
-        "JAX_COMPILATION_CACHE_DIR": str(tmp / "jax_cache"),
     }
 
 

@@ -56,7 +56,8 @@ CASES = {
                150),
 }
 NEW = 32
-pytestmark = pytest.mark.filterwarnings("ignore:no tokenizer.json")
+# Slow (not in make test-fast): converts a checkpoint of each family.
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:no tokenizer.json")]
 SMALL = dict(sinks=4, tokens_per_cluster=8, decode_interval=16, decode_clusters=2, full_layers=1)
 
 

@@ -208,6 +208,7 @@ print(json.dumps({"x64": bool(jax.config.jax_enable_x64), "tokens": out}))
 """
 
 
+@pytest.mark.slow  # starts a Python process
 def test_generation_is_the_same_with_jax_enable_x64():
     """JAX_ENABLE_X64=1 (64-bit default ints and floats) once broke decoding (`dynamic_update_slice` with int32
     and int64 indices; K-means seeds drawn in float64): ClusterKV, on device and offloaded, its decode-time

@@ -67,6 +67,7 @@ def test_decode_step_logits_equal_prefill_logits(smollm2):
     assert int(cache.lengths[0]) == 160
 
 
+@pytest.mark.slow  # converts checkpoints
 @pytest.mark.parametrize("kind", ["llama3_rope", "qwen2_bias", "untied_linear_rope"])
 def test_tiny_random_models_match_hf(kind, tmp_path):
     hf_model, ckpt_dir = tiny_hf_checkpoint(kind, tmp_path)
@@ -81,6 +82,7 @@ def test_tiny_random_models_match_hf(kind, tmp_path):
     np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow  # converts checkpoints
 def test_llama3_rope_scaling_changes_the_math(tmp_path):
     """Guards the llama3 test above: the same weights without scaling must give different logits."""
     hf_model, ckpt_dir = tiny_hf_checkpoint("llama3_rope", tmp_path)

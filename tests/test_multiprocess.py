@@ -22,6 +22,9 @@ import pytest
 
 from tests.test_reliability import assert_one_line_error
 
+# Slow (not in make test-fast): starts JAX processes.
+pytestmark = pytest.mark.slow
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIMIT_S = 300  # each group of processes; one run takes about a minute here
 KV_POLICIES = ("full", "clusterkv", "clusterkv_offload", "clusterkv_tensor_parallel")
@@ -38,6 +41,9 @@ def free_port() -> int:
 def env_with_devices(n: int) -> dict:
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", PYTHONUNBUFFERED="1")
     env.pop("JAX_PLATFORMS", None)
+    # No persistent compilation cache (tests/conftest.py): its reads would count in the checkpoint bytes a process
+    # reads (test_each_process_reads_only_its_chunks_of_the_checkpoint).
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
     return env
 
 

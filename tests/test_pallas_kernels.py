@@ -446,6 +446,7 @@ def test_on_tpu_clusterkv_runs_the_mosaic_kernels(monkeypatch):
 # ------------------------------------------------------------------------------------------------------ lowering
 
 
+@pytest.mark.slow  # starts a Python process
 def test_check_lowering_for_cuda_and_tpu():
     proc = subprocess.run(
         [sys.executable, "-m", "pallas_kernels.check_lowering"], cwd=REPO, capture_output=True, text=True, timeout=300
@@ -463,6 +464,7 @@ def test_check_lowering_for_cuda_and_tpu():
     assert "all kernels lowered for cuda" in proc.stdout and "all kernels lowered for tpu" in proc.stdout
 
 
+@pytest.mark.slow  # starts processes
 @pytest.mark.skipif(
     not os.environ.get("CLUSTERKV_TRITON_PYTHON"),
     reason="set CLUSTERKV_TRITON_PYTHON to a Python with the PyPI triton package to compile the TTIR to cubin",

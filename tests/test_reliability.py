@@ -19,6 +19,9 @@ from tests.helpers import REPO_ROOT
 from tests.test_convert import TINY_CONFIG, write_tiny_gguf, write_tiny_hf
 
 
+# Slow (not in make test-fast): most tests run the command-line tools as processes.
+pytestmark = pytest.mark.slow
+
 def run_cli(*args: str, module: str = "clusterkv_jax.cli", timeout: int = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)}
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, env=env,

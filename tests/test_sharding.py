@@ -20,6 +20,9 @@ import pytest
 
 from clusterkv_jax import sharding as sh
 
+# Slow (not in make test-fast): the sharded runs are a process of their own.
+pytestmark = pytest.mark.slow
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
