@@ -171,6 +171,7 @@ def _xla_flags_after_import(env: dict[str, str]) -> str:
                           env={**base, **env}, capture_output=True, text=True, check=True).stdout.strip()
 
 
+@pytest.mark.slow  # starts Python processes
 def test_import_adds_this_machines_cpu_flags_unless_told_otherwise():
     import platform
 
