@@ -83,7 +83,13 @@ def main(out_path: str) -> None:
     mesh = sh.make_mesh(MESH_SPEC)
     model = _model(CFG, 0)
     prompts = _prompts(LENGTHS, 1)
-    res: dict = {"devices": len(jax.devices()), "tokens": {}, "shardings": {}}
+    res: dict = {"devices": len(jax.devices()), "tokens": {}, "shardings": {}, "section_seconds": {}}
+    lap = [time.perf_counter()]
+
+    def section(name):  # how long each part took (the report says where the test's time goes)
+        now = time.perf_counter()
+        res["section_seconds"][name] = round(now - lap[0], 1)
+        lap[0] = now
     kw = dict(stop_at_eos=False, return_cache=True)
 
     # Sharded vs unsharded generation, four policies, a ragged batch of 8.
@@ -94,12 +100,16 @@ def main(out_path: str) -> None:
         res["tokens"][name] = {"plain": plain.tokens, "sharded": sharded.tokens}
         caches[name] = sharded.cache
 
+    section("policies")
+
     # Each prompt alone (ClusterKV, offload on): unsharded B=1, and sharded (B=1 padded to data=2).
     policy = POLICIES["clusterkv_offload"]
     res["tokens"]["alone"] = {
         "plain": [generate(model, p, NEW, policy=policy, stop_at_eos=False).tokens[0] for p in prompts],
         "sharded": [generate(model, p, NEW, policy=policy, stop_at_eos=False, mesh=mesh).tokens[0] for p in prompts],
     }
+
+    section("alone")
 
     # Shardings of what came back, against specs written out here.
     def named(*spec, kind="device"):
@@ -141,6 +151,8 @@ def main(out_path: str) -> None:
     generate(model, prompts[:2], NEW, policy=POLICIES["full"], mesh=mesh, stop_at_eos=False)
     res["params_reused"] = model._sharded_params[2] is placed[2]
 
+    section("shardings")
+
     # The benchmark path: shard_params + init_cache_sharded + jitted prefill / decode_step with sharding=.
     policy = POLICIES["clusterkv_offload"]
     B, cap = len(prompts), 128
@@ -169,6 +181,8 @@ def main(out_path: str) -> None:
     res["shardings"]["decode_step.centroids"] = _sharding_report(
         cache.policy_state.centroids, named(None, "data", "model", None, None))
 
+    section("steps_loop")
+
     # Collectives in the compiled program: ClusterKV with offload, ClusterKV with gqa="shared", and Quest (its
     # page ranking is a top-k on every decode step).
     res["collectives"] = {}
@@ -183,6 +197,8 @@ def main(out_path: str) -> None:
         res["collectives"][name] = _collectives(lowered.compile().as_text())
     res["sizes"] = {"B": B, "T": 64, "D": CFG.hidden_size, "S": cap}
 
+    section("collectives")
+
     # The same program with the Pallas kernels, lowered for CUDA (no GPU needed to lower): the kernels must be
     # Triton calls inside shard_map (manual) regions, one per device shard, not custom calls the partitioner
     # would gather. The kernel switch is forced on as if these host devices were sm80+ GPUs.
@@ -195,6 +211,8 @@ def main(out_path: str) -> None:
     text = lowered.as_text()
     res["cuda_lowering"] = {"triton_calls": text.count("__gpu$xla.gpu.triton"),
                             "manual_regions": text.count("sdy.manual_computation")}
+
+    section("cuda_lowering")
 
     # Fallback: 3 KV heads on model=2 are replicated; a batch of 3 is padded to 4 for data=2.
     model3 = _model(CFG_3KV, 2)
@@ -216,6 +234,7 @@ def main(out_path: str) -> None:
                 c.selecting.store.k, named(None, "data", None, None, None, kind="pinned_host"))
             res["fallback"][name]["centroids"] = _sharding_report(c.policy_state.centroids, named(None, "data"))
 
+    section("fallback")
     res["seconds"] = time.perf_counter() - t0
     with open(out_path, "w") as f:
         json.dump(res, f)

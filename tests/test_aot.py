@@ -22,6 +22,9 @@ from clusterkv_jax.cache import init_cache
 from clusterkv_jax.config import synthetic_config
 from clusterkv_jax.policies import ClusterKV, FullKV, Quest
 
+# What these compile for an H100 or a TPU v5e is what users get: XLA's optimizations on (tests/conftest.py).
+pytestmark = pytest.mark.optimized
+
 CONFIG = synthetic_config("llama3-8b", layers=4)  # 2 full layers + 2 selecting layers (a loop over them)
 CONTEXT, BATCH = 2048, 2
 

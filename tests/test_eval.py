@@ -115,8 +115,10 @@ def test_eval_commands_write_json_table_and_plot(command, smollm2_converted_dir,
              "agreement": ["--context", "300", "--new-tokens", "6", "--samples", "2"],
              "recall": ["--context", "300", "--steps", "2"]}[command]
     out = tmp_path / "out"
+    # One policy at two budgets (each budget a program of its own on SmolLM2): what the table and the plot show per
+    # budget; the other policies' scores are test_budget_covering_everything_matches_full_ppl_and_agreement's.
     rc = main(["eval", command, "--model", smollm2_converted_dir, "--text", str(text), "--budgets", "64,128",
-               "--policies", "clusterkv,streaming", "--out", str(out), *extra])
+               "--policies", "clusterkv", "--out", str(out), *extra])
     assert rc == 0
     results = json.loads((out / f"{command}.json").read_text())
     assert results["metric" if command != "recall" else "context"]

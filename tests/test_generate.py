@@ -217,11 +217,12 @@ def test_generation_is_the_same_with_jax_enable_x64():
     import subprocess
     import sys
 
+    from tests.conftest import MOST_OPTIMIZATIONS_OFF_ENV
     from tests.helpers import REPO_ROOT
 
     runs = {}
     for flag in ("0", "1"):
-        env = {**os.environ, "JAX_ENABLE_X64": flag, "PYTHONPATH": REPO_ROOT}
+        env = {**os.environ, "JAX_ENABLE_X64": flag, "PYTHONPATH": REPO_ROOT, **MOST_OPTIMIZATIONS_OFF_ENV}
         proc = subprocess.run([sys.executable, "-c", _X64_SCRIPT], env=env, capture_output=True, text=True,
                               timeout=600, cwd=REPO_ROOT)
         assert proc.returncode == 0, proc.stderr[-3000:]

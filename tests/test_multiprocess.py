@@ -20,6 +20,7 @@ from unittest import mock
 
 import pytest
 
+from tests.conftest import MOST_OPTIMIZATIONS_OFF_ENV
 from tests.test_reliability import assert_one_line_error
 
 # Slow (not in make test-fast): starts JAX processes.
@@ -39,7 +40,8 @@ def free_port() -> int:
 
 
 def env_with_devices(n: int) -> dict:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", PYTHONUNBUFFERED="1")
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}".strip()  # the suite's too
+    env = dict(os.environ, XLA_FLAGS=flags, PYTHONUNBUFFERED="1", **MOST_OPTIMIZATIONS_OFF_ENV)  # a tiny model
     env.pop("JAX_PLATFORMS", None)
     # No persistent compilation cache (tests/conftest.py): its reads would count in the checkpoint bytes a process
     # reads (test_each_process_reads_only_its_chunks_of_the_checkpoint).

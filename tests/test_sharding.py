@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from clusterkv_jax import sharding as sh
+from tests.conftest import MOST_OPTIMIZATIONS_OFF_ENV
 
 # Slow (not in make test-fast): the sharded runs are a process of their own.
 pytestmark = pytest.mark.slow
@@ -29,7 +30,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("sharding") / "report.json"
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **MOST_OPTIMIZATIONS_OFF_ENV,
                XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip())
     proc = subprocess.run([sys.executable, "-m", "tests.sharding_check", str(out)], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
