@@ -2,11 +2,60 @@
 
 __version__ = "0.1.0"  # the package's version (pyproject.toml reads it from here)
 
+# The Ctrl-C handler of our command-line tools goes in first, before any import that takes time (`signal` builds its
+# enums, `platform` reads the system): a SIGINT 50 ms after start landed in `import signal` and printed a traceback.
+# `_signal` is the builtin module `signal` wraps.
+import _signal
 import os
-import platform
-import signal
 import sys
-import threading
+
+#: What each command-line tool prints on Ctrl-C, whenever it comes.
+CLUSTERKV_INTERRUPTED = "clusterkv: interrupted"
+CONVERT_INTERRUPTED = "interrupted: nothing was written"
+#: The command-line tools, as `python -m MODULE` or as a console script's name, and their Ctrl-C lines.
+_COMMANDS = {"checkpoints_convert": CONVERT_INTERRUPTED, "clusterkv_jax.cli": CLUSTERKV_INTERRUPTED,
+             "clusterkv": CLUSTERKV_INTERRUPTED}
+
+
+_start_up_handler = None
+
+
+def _exit_on_interrupt_until_running() -> None:
+    """Inside one of our command-line tools (without --debug): from here until the command starts its work
+    (`commands.run_reporting_errors` calls `handle_interrupts_in_python`), Ctrl-C ends the process at once with
+    the tool's one line and 130, as it does once running. This covers the imports (JAX takes a second or more) and
+    Python compiling the command's own modules on a first run, where a KeyboardInterrupt becomes a traceback, an
+    ImportError from an extension, or a crash. Elsewhere (a library user) nothing changes."""
+    global _start_up_handler
+    argv = list(getattr(sys, "orig_argv", sys.argv))
+    module = next((b for a, b in zip(argv, argv[1:]) if a == "-m"), None)
+    line = _COMMANDS.get(module or os.path.basename(sys.argv[0]))
+    if line is None or "--debug" in argv:
+        return
+    if _signal.getsignal(_signal.SIGINT) is not _signal.default_int_handler:  # the caller chose otherwise
+        return
+
+    def exit_now(signum, frame):
+        os.write(2, (line + "\n").encode())
+        os._exit(130)
+
+    try:
+        _signal.signal(_signal.SIGINT, exit_now)
+    except ValueError:  # not the main thread: a library import, nothing to do
+        return
+    _start_up_handler = exit_now
+
+
+def handle_interrupts_in_python() -> None:
+    """Ctrl-C raises KeyboardInterrupt again (the running command catches it), where the start-up handler is set."""
+    if _start_up_handler is not None and _signal.getsignal(_signal.SIGINT) is _start_up_handler:
+        _signal.signal(_signal.SIGINT, _signal.default_int_handler)
+
+
+_exit_on_interrupt_until_running()
+
+
+import platform  # noqa: E402
 
 # XLA:CPU flags we add to XLA_FLAGS, each unless you set it yourself. XLA reads them from the process-wide flags
 # only (per-program compiler options do not reach the scheduler), so they take effect only if JAX has not started
@@ -49,47 +98,6 @@ if not os.environ.get("CLUSTERKV_KEEP_XLA_FLAGS"):
     os.environ["XLA_FLAGS"] = _with_cpu_flags(os.environ.get("XLA_FLAGS", ""), platform.machine(), _cpu_features())
 
 
-#: What each command-line tool prints on Ctrl-C, whenever it comes.
-CLUSTERKV_INTERRUPTED = "clusterkv: interrupted"
-CONVERT_INTERRUPTED = "interrupted: nothing was written"
-#: The command-line tools, as `python -m MODULE` or as a console script's name, and their Ctrl-C lines.
-_COMMANDS = {"checkpoints_convert": CONVERT_INTERRUPTED, "clusterkv_jax.cli": CLUSTERKV_INTERRUPTED,
-             "clusterkv": CLUSTERKV_INTERRUPTED}
-
-
-_start_up_handler = None
-
-
-def _exit_on_interrupt_until_running() -> None:
-    """Inside one of our command-line tools (without --debug): from here until the command starts its work
-    (`commands.run_reporting_errors` calls `handle_interrupts_in_python`), Ctrl-C ends the process at once with
-    the tool's one line and 130, as it does once running. This covers the imports (JAX takes a second or more) and
-    Python compiling the command's own modules on a first run, where a KeyboardInterrupt becomes a traceback, an
-    ImportError from an extension, or a crash. Elsewhere (a library user) nothing changes."""
-    global _start_up_handler
-    argv = list(getattr(sys, "orig_argv", sys.argv))
-    module = next((b for a, b in zip(argv, argv[1:]) if a == "-m"), None)
-    line = _COMMANDS.get(module or os.path.basename(sys.argv[0]))
-    if line is None or "--debug" in argv or threading.current_thread() is not threading.main_thread():
-        return
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:  # the caller chose otherwise
-        return
-
-    def exit_now(signum, frame):
-        os.write(2, (line + "\n").encode())
-        os._exit(130)
-
-    _start_up_handler = exit_now
-    signal.signal(signal.SIGINT, exit_now)
-
-
-def handle_interrupts_in_python() -> None:
-    """Ctrl-C raises KeyboardInterrupt again (the running command catches it), where the start-up handler is set."""
-    if _start_up_handler is not None and signal.getsignal(signal.SIGINT) is _start_up_handler:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-_exit_on_interrupt_until_running()
 
 from clusterkv_jax.cache import KVCache, init_cache, kv_bytes, layer_kv_bytes  # noqa: E402
 from clusterkv_jax.config import ModelConfig, RopeScaling  # noqa: E402
