@@ -2,8 +2,8 @@
 transformers here (norms and biases perturbed away from their init), converted, equals HF (float32, eager
 attention) in the logits at every position and in 32 greedy tokens; ClusterKV with a budget covering the context
 equals full KV token for token; ClusterKV, Quest and the host offload run on each architecture, and a ragged batch
-equals each prompt alone. ClusterKV's clusters are made of the keys HF caches (after q/k norm and RoPE); a GGUF of each family
-llama.cpp names converts to the same parameters."""
+equals each prompt alone. ClusterKV's clusters are made of the keys HF caches (after q/k norm and RoPE); a GGUF of
+each family llama.cpp names converts to the same parameters."""
 
 from __future__ import annotations
 
