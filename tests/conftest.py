@@ -31,7 +31,8 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 << 30))
 # family model's generate (full KV, ClusterKV, Quest), 40-50% less compile time than the defaults at the same run
 # time, and `clusterkv demo` on SmolLM2 (4k-token prefills, where run time dominates) as fast as with the defaults.
 # (-O0 compiles faster still but made the demo 3x slower: it is set per test, below.) test_model's logits against
-# HF, K-means against NumPy and ClusterKV's oracles hold as they did. A subprocess inherits the flags with the rest of the environment.
+# HF, K-means against NumPy and ClusterKV's oracles hold as they did. A subprocess inherits the flags with the rest
+# of the environment.
 # On a machine with a GPU or TPU plugin (the lent GPU's check runs the suite there), the backend-wide level stays.
 SUITE_XLA_FLAGS = {"xla_llvm_disable_expensive_passes": "true", "xla_cpu_use_fusion_emitters": "false"}
 _ACCELERATOR_PLUGINS = importlib.util.find_spec("jax_plugins") is not None or importlib.util.find_spec("libtpu")
