@@ -10,9 +10,9 @@ import errno
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
-import tempfile
 import threading
 from typing import Any, Callable, Iterable
 
@@ -379,14 +379,33 @@ def staging_dir(dst: str, overwrite: bool, src: str | None = None):
         try:  # before any reading: an unwritable place fails at once, naming the destination
             os.makedirs(parent, exist_ok=True)
             sweep_stale_staging(dst)
-            staging = tempfile.mkdtemp(prefix=f"{_staging_prefix(dst)}{os.getpid()}-", dir=parent)
         except OSError as e:
             raise OSError(e.errno, f"cannot write the destination {dst!r}: {e.strerror or e}") from None
+        staging = _make_staging(dst)
         try:
-            # mkdtemp makes the directory private (0700); a checkpoint should be readable like any other output.
-            os.chmod(staging, 0o755)
             yield staging
             _publish(staging, dst, overwrite)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+
+def _make_staging(dst: str) -> str:
+    """Creates `dst`'s staging directory, named before it exists, so a signal that lands just after the mkdir
+    (CI caught a SIGTERM there, inside tempfile.mkdtemp, before its name was returned) still knows what to delete.
+    The name carries our pid and a random part: nothing else makes it, and a clash is retried."""
+    prefix = os.path.join(os.path.dirname(dst), f"{_staging_prefix(dst)}{os.getpid()}-")
+    while True:
+        staging = prefix + secrets.token_hex(4)
+        try:
+            os.mkdir(staging)
+            os.chmod(staging, 0o755)  # whatever the umask: a checkpoint is readable like any other output
+            return staging
+        except FileExistsError:
+            continue
+        except OSError as e:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise OSError(e.errno, f"cannot write the destination {dst!r}: {e.strerror or e}") from None
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise

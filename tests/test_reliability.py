@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -244,8 +245,6 @@ def test_json_results_never_hold_nan(tmp_path):
 
 
 def _copy_model(src: str, dst) -> str:
-    import shutil
-
     shutil.copytree(src, dst)
     return str(dst)
 
@@ -614,15 +613,39 @@ def test_misleading_advice_is_gone(tiny_model, tmp_path):
 # ---- Ctrl-C ----------------------------------------------------------------------------------------------------
 
 
+_STARTED_MARKER = """
+import os
+
+open(os.environ["CLUSTERKV_TEST_STARTED"], "w").close()
+"""
+
+
 def _interrupted(cmd: list[str], *, delay: float = 0.0, once: bytes | None = None, env=None, timeout: float = 300):
-    """Runs `cmd` and sends it SIGINT `delay` seconds after it starts, or once its stderr matches the regex `once`.
+    """Runs the Python command `cmd` and sends it SIGINT `delay` seconds after the interpreter's own start-up ended
+    (its `site` import, marked by a sitecustomize), or once its stderr matches the regex `once`. Counted from the
+    fork instead, CI's 0.05 s landed inside `site` importing the editable install's finder: CPython's own "Fatal
+    Python error: init_import_site", before any of the command's code exists to catch it.
     Returns (exit code, stdout, stderr, seconds from the signal to the exit, whether the signal was sent)."""
+    import tempfile
+
+    hooks = tempfile.mkdtemp(prefix="started-")
+    with open(os.path.join(hooks, "sitecustomize.py"), "w") as f:
+        f.write(_STARTED_MARKER)
+    started = os.path.join(hooks, "started")
+    env = {**os.environ, "PYTHONPATH": f"{hooks}{os.pathsep}{REPO_ROOT}", "CLUSTERKV_TEST_STARTED": started,
+           **(env or {})}
+    try:
+        return _interrupted_once_started(cmd, started, delay, once, env, timeout)
+    finally:
+        shutil.rmtree(hooks, ignore_errors=True)
+
+
+def _interrupted_once_started(cmd, started, delay, once, env, timeout):
     import re
     import signal
     import threading
     import time
 
-    env = {**os.environ, "PYTHONPATH": REPO_ROOT, **(env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=REPO_ROOT)
     streams = {"out": bytearray(), "err": bytearray()}
 
@@ -639,6 +662,8 @@ def _interrupted(cmd: list[str], *, delay: float = 0.0, once: bytes | None = Non
         while proc.poll() is None and not re.search(once, bytes(streams["err"])) and time.monotonic() < deadline:
             time.sleep(0.05)
     else:
+        while proc.poll() is None and not os.path.exists(started) and time.monotonic() < deadline:
+            time.sleep(0.002)
         time.sleep(delay)
     sent = proc.poll() is None
     if sent:
