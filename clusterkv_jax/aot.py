@@ -166,9 +166,11 @@ def model_programs(config, policies: dict, *, device, batch: int, context: int, 
     from clusterkv_jax.cache import init_cache
     from clusterkv_jax.generate import decode_step
     from clusterkv_jax.generate import prefill as prefill_step
-    from clusterkv_jax.model import init_params
+    from clusterkv_jax.model import for_device, init_params
+    from pallas_kernels.dispatch import compile_for
 
-    params = jax.eval_shape(lambda: init_params(config, jax.random.key(0), dtype))
+    with compile_for(device):  # the parameters in the layout the target's layer loop reads
+        params = jax.eval_shape(lambda: for_device(init_params(config, jax.random.key(0), dtype)))
     tokens = jax.ShapeDtypeStruct((batch,), jnp.int32)
     out = []
     for name, policy in policies.items():

@@ -10,12 +10,10 @@ Each layer attends one of three ways (its `LayerKind`):
 `full_layers` counts the model's layers from the first, whatever their type: a windowed layer among them keeps its
 window. A budget applies to each selecting layer.
 
-Layers of one kind within a `Segment` share one `LayerGroup`: one store (`clusterkv_jax.store.DeviceKV` or
+The layers of one kind share one `LayerGroup`: one store (`clusterkv_jax.store.DeviceKV` or
 `clusterkv_jax.offload.HostKV`) stacked over the group's layers and, for selecting layers, the policy's state
-stacked likewise. A segment is a run of layers whose kinds repeat with a period (Gemma 3: five windowed, one
-global); the model runs one `lax.scan` per segment over the repeats, the period's layers in its body, so compile
-time follows the number of segments, not depth (a model of one type has one or two). Buffers exist only where they
-are used: no policy state for full or windowed layers, no host buffers for device layers.
+stacked likewise (Gemma 3's five windowed layers of every six are one group, its global ones another). Buffers exist
+only where they are used: no policy state for full or windowed layers, no host buffers for device layers.
 
 Everything is capacity-padded: rows at or past `lengths[b]` of sequence b are padding. Donate the cache to the
 step that consumes it. Every array declares its logical axes and memory (`clusterkv_jax.axes`).
@@ -32,80 +30,28 @@ import jax
 import jax.numpy as jnp
 
 from clusterkv_jax import axes
-from clusterkv_jax.config import SLIDING_ATTENTION, ModelConfig, check_size
+from clusterkv_jax.config import ModelConfig, check_size
 from clusterkv_jax.offload import HostKV, host_memory_kind
 from clusterkv_jax.store import DeviceKV
 
 WINDOWED, FULL, SELECTING = "windowed", "full", "selecting"
 
-#: The longest period `segments` looks for; real models repeat every 1 to 6 layers.
-MAX_PERIOD = 16
-
 
 class LayerKind(NamedTuple):
     attention: str  # WINDOWED, FULL or SELECTING
     on_host: bool
-    sliding: bool = False  # a sliding-attention layer with a RoPE of its own (Gemma 3), windowed or not
-
-
-class Segment(NamedTuple):
-    """Layers [start, start + period * reps): `reps` repeats of a period of layers; slot m of the period is layer
-    occurrence `slots[m][1]` (within one period) of group `slots[m][0]` (an index into `KVCache.groups`)."""
-
-    start: int
-    period: int
-    reps: int
-    slots: tuple[tuple[int, int], ...]
 
 
 def layer_kinds(config: ModelConfig, policy, capacity: int) -> list[LayerKind]:
     """How each layer of `config` attends under `policy` in a cache of `capacity` positions."""
     kinds = []
     for layer, windowed in enumerate(config.windowed_layers(capacity)):
-        # Only where its RoPE differs does a layer's type part its kind from the others'.
-        sliding = bool(config.layer_types) and config.local_rope_theta is not None and (
-            config.layer_types[layer] == SLIDING_ATTENTION)
         if windowed:
-            kinds.append(LayerKind(WINDOWED, False, sliding))
+            kinds.append(LayerKind(WINDOWED, False))
         else:
             selecting = layer >= policy.full_layers
-            kinds.append(LayerKind(SELECTING if selecting else FULL, bool(policy.offloads(selecting)), sliding))
+            kinds.append(LayerKind(SELECTING if selecting else FULL, bool(policy.offloads(selecting))))
     return kinds
-
-
-def segments(kinds: list, weight=lambda kind: 1) -> list[tuple[int, int, int]]:
-    """`kinds` as runs (start, period, reps) of a repeated period, chosen to make the compiled program smallest: the
-    layer bodies it traces (one per slot of each period, `weight(kind)` each) plus one per scan. [F, F, S x 30] ->
-    (0, 1, 2), (2, 1, 30); Gemma 3's (W x 5, S) x 8 -> (0, 6, 8)."""
-    L = len(kinds)
-    # match[p][j]: how many layers from j on equal the layer p after them.
-    match = {}
-    for p in range(1, min(MAX_PERIOD, L) + 1):
-        run = [0] * (L + 1)
-        for j in range(L - p - 1, -1, -1):
-            run[j] = run[j + 1] + 1 if kinds[j] == kinds[j + p] else 0
-        match[p] = run
-    weights = [weight(k) for k in kinds]
-    cost, choice = [0] * (L + 1), [None] * (L + 1)
-    for s in range(L - 1, -1, -1):
-        best = None
-        for p in range(1, min(MAX_PERIOD, L - s) + 1):
-            body = sum(weights[s:s + p]) + 1
-            for reps in sorted({min(p + match[p][s], L - s) // p, 1}, reverse=True):
-                total = body + cost[s + p * reps]
-                if best is None or total < best[0]:
-                    best = (total, p, reps)
-        cost[s], choice[s] = best[0], best[1:]
-    out, s = [], 0
-    while s < L:
-        p, reps = choice[s]
-        out.append((s, p, reps))
-        s += p * reps
-    return out
-
-
-#: A selecting layer's body (selection, its ways of attending) compiles to several times a full or windowed one's.
-SELECTING_BODY_WEIGHT = 3
 
 
 class GroupPlan(NamedTuple):
@@ -113,21 +59,10 @@ class GroupPlan(NamedTuple):
     kind: LayerKind
 
 
-def plan_layers(config: ModelConfig, policy, capacity: int) -> tuple[list[GroupPlan], list[Segment]]:
-    """The groups of a cache and the segments the model scans (see the module docstring)."""
+def plan_layers(config: ModelConfig, policy, capacity: int) -> list[GroupPlan]:
+    """The groups of a cache: one per kind of layer, in the order each kind first appears."""
     kinds = layer_kinds(config, policy, capacity)
-    groups, segs = [], []
-    for start, period, reps in segments(kinds, lambda k: SELECTING_BODY_WEIGHT if k.attention == SELECTING else 1):
-        pattern = kinds[start:start + period]
-        slots, first = [], {}
-        for m, kind in enumerate(pattern):
-            if kind not in first:
-                first[kind] = len(groups)
-                offsets = [j for j, k in enumerate(pattern) if k == kind]
-                groups.append(GroupPlan(tuple(start + r * period + j for r in range(reps) for j in offsets), kind))
-            slots.append((first[kind], sum(1 for k in pattern[:m] if k == kind)))
-        segs.append(Segment(start, period, reps, tuple(slots)))
-    return groups, segs
+    return [GroupPlan(tuple(layer for layer, k in enumerate(kinds) if k == kind), kind) for kind in dict.fromkeys(kinds)]
 
 
 @flax.struct.dataclass
@@ -164,7 +99,6 @@ class KVCache:
     lengths: jax.Array = axes.field("batch")  # [B] int32: tokens stored (prompt + generated)
     prompt_lengths: jax.Array = axes.field("batch")  # [B] int32: tokens that came from the prompt
     capacity: int = flax.struct.field(pytree_node=False, default=0)  # S: positions each sequence can hold
-    segments: tuple[Segment, ...] = flax.struct.field(pytree_node=False, default=())  # what the model scans
 
     @property
     def batch_size(self) -> int:
@@ -225,8 +159,7 @@ def init_cache(config: ModelConfig, policy, batch_size: int, capacity: int, dtyp
 def _build_cache(config: ModelConfig, policy, batch_size: int, capacity: int, dtype) -> KVCache:
     B, K, H = batch_size, config.num_kv_heads, config.head_dim
     groups = []
-    plans, segs = plan_layers(config, policy, capacity)
-    for plan in plans:
+    for plan in plan_layers(config, policy, capacity):
         n, selecting = len(plan.layers), plan.kind.attention == SELECTING
         rows = {WINDOWED: config.sliding_window, FULL: capacity, SELECTING: policy.store_rows(capacity)}[
             plan.kind.attention]
@@ -242,7 +175,7 @@ def _build_cache(config: ModelConfig, policy, batch_size: int, capacity: int, dt
         groups.append(LayerGroup(store=store, state=state, layers=plan.layers, attention=plan.kind.attention))
     # Two arrays, not one: a donated cache must not pass the same buffer twice.
     return KVCache(groups=tuple(groups), lengths=jnp.zeros((B,), jnp.int32), prompt_lengths=jnp.zeros((B,), jnp.int32),
-                   capacity=capacity, segments=tuple(segs))
+                   capacity=capacity)
 
 
 def memory_limits() -> dict[str, int]:

@@ -15,6 +15,7 @@ resolved implementation and, under a multi-device mesh, runs a kernel once per d
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -68,6 +69,41 @@ def resolve(mode: str, op: str | None = None) -> str:
         f"kernels 'pallas' need a CUDA GPU with compute capability >= {dispatch.MIN_COMPUTE_CAPABILITY} (Pallas "
         f"Triton kernels) or a TPU; found {dispatch.describe_target()}. Use 'auto' or 'reference' (or 'interpret' "
         "for tests).")
+
+
+#: How the model runs its layers (`layer_loop`).
+LAYER_LOOPS = ("unrolled", "scanned")
+_layer_loop_override: list[str] = []
+
+
+def layer_loop() -> str:
+    """How `clusterkv_jax.model` runs its layers on the device being traced for: "unrolled" (a Python loop, each
+    layer's weights a static slice of the stacked parameters) on a GPU, "scanned" (`lax.scan` over the layers,
+    indexed by the scan) elsewhere. XLA:GPU copies a layer's weights (and its KV) out of the stacks before the
+    matrix products that read them when the index is traced, so a scanned decode step on an H200 read its weights
+    about 2.6 times (docs/research_log.md); a static slice it reads in place. XLA:TPU and XLA:CPU read a traced
+    slice in place (a deviceless TPU compile holds no copy; on the CPU both forms step equally fast), and there the
+    scan's compile time does not grow with depth, where an unrolled 30-layer ClusterKV decode step compiles about
+    15 times longer on the CPU. `forced_layer_loop` overrides the choice (tests)."""
+    if _layer_loop_override:
+        return _layer_loop_override[-1]
+    return "unrolled" if dispatch.on_gpu() else "scanned"
+
+
+@contextlib.contextmanager
+def forced_layer_loop(loop: str):
+    """Runs the layers `loop` ("unrolled" or "scanned") inside this block, whatever the device (tests: the CPU runs
+    what a GPU runs). The loop is chosen while tracing, and a jitted function's cache does not know of it, so
+    entering and leaving the block clear JAX's caches: every program inside is traced anew."""
+    if loop not in LAYER_LOOPS:
+        raise ValueError(f"layer loop must be one of {', '.join(LAYER_LOOPS)}, got {loop!r}")
+    jax.clear_caches()
+    _layer_loop_override.append(loop)
+    try:
+        yield
+    finally:
+        _layer_loop_override.pop()
+        jax.clear_caches()
 
 
 def _check(impl: str) -> None:

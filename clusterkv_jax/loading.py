@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from clusterkv_jax.checkpoint import load_params
 from clusterkv_jax.config import ModelConfig
-from clusterkv_jax.model import param_shapes
+from clusterkv_jax.model import for_device, param_shapes
 from clusterkv_jax.tokenizer import Tokenizer
 
 
@@ -113,5 +113,6 @@ def load_model(path: str | os.PathLike, dtype: Any = None, mesh: Any = None) -> 
         shardings = sharding.param_shardings(config, mesh)
     params = load_params(os.path.join(path, "params"), dtype=dtype, sharding=shardings)
     check_params(params, config)
+    params = for_device(params, free=True)  # on a GPU, each layer's weights arrays of their own
     tokenizer = Tokenizer.from_dir(path) if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
     return Model(config=config, params=params, tokenizer=tokenizer, path=path, mesh=mesh)

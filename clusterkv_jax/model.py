@@ -4,13 +4,12 @@ interleaved pairs), GQA, a gated MLP; what a family changes is a field of `Model
 and output biases, per-head q/k norms, norms after the attention and the MLP, Gemma's (1 + w) norms, scaled
 embeddings, GeGLU, score scale and soft-capping, and a RoPE base of its own for sliding layers.
 
-Parameters are a plain pytree (see `param_shapes`); every function here is pure and jit-able. Layers are
-stacked on a leading axis and run under `lax.scan`, so compile time does not grow with depth: one scan per
-segment of the cache (`clusterkv_jax.cache`: a run of layers whose kinds repeat), all over the same layer body.
-How a layer stores its K/V and attends (to every token, to its window, or to what a KV policy selects) is
-`clusterkv_jax.attend`'s: the model hands each layer's q, k, v to the step it runs (`attend.Prefill`,
-`attend.PrefillChunk`, `attend.Decode`) and knows nothing of the policy. A group's store is carried through its
-scan whole and indexed by layer, so a decode step writes one row per layer in place instead of copying the cache.
+Parameters are a plain pytree (see `param_shapes`), each layer parameter stacked on a leading [L] axis; every
+function here is pure and jit-able. The layers run in a plain Python loop, each reading its weights as a static
+slice of the stack (which XLA reads in place, each weight once a step). How a layer stores its K/V and attends (to
+every token, to its window, or to what a KV policy selects) is `clusterkv_jax.attend`'s: the model hands each
+layer's q, k, v to the step it runs (`attend.Prefill`, `attend.PrefillChunk`, `attend.Decode`) and knows nothing of
+the policy. A layer's K/V live in its group's store (`clusterkv_jax.cache`), written in place one row per layer.
 Norms, RoPE, softmax and logits are computed in float32.
 
 Shapes: B batch, T tokens, S cache capacity, D hidden, N query heads, K KV heads, G = N // K, H head dim,
@@ -26,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from clusterkv_jax import attend as attend_module
+from clusterkv_jax import kernels
 from clusterkv_jax import rope
 from clusterkv_jax.attention import softcap
 from clusterkv_jax.attend import PREFILL_BLOCK
@@ -102,6 +102,38 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Param
         else:
             out.append((0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def unstack_layers(params: Params, free: bool = False) -> Params:
+    """`params` with "layers" as a tuple of per-layer dicts, each array without the leading [L] axis: the layout
+    the unrolled layer loop (`kernels.layer_loop`, a GPU's) reads without copying. XLA:GPU reads a static slice of a
+    stacked weight in place only where it fuses the slice into the matrix product (an H100 compile copied the
+    output projection's slice out); a whole array it always reads in place. `free` deletes each stacked array once
+    it is sliced (what `load_model` does, so the weights never sit on the device twice). Per-layer parameters
+    already are returned as they are."""
+    layers = params["layers"]
+    if not isinstance(layers, dict):
+        return params
+    num_layers = len(next(iter(layers.values())))
+    per_layer: list[dict[str, Any]] = [{} for _ in range(num_layers)]
+    for name, stacked in layers.items():
+        for index in range(num_layers):
+            per_layer[index][name] = stacked[index]
+        if free and isinstance(stacked, jax.Array):
+            stacked.delete()
+    return {**params, "layers": tuple(per_layer)}
+
+
+def for_device(params: Params, free: bool = False) -> Params:
+    """`params` in the layout the device's layer loop reads best (`kernels.layer_loop`): per layer on a GPU
+    (`unstack_layers`, `free` as there), stacked as they are elsewhere."""
+    return unstack_layers(params, free) if kernels.layer_loop() == "unrolled" else params
+
+
+def _stacked_layers(params: Params) -> Params:
+    """params["layers"] as a dict of [L, ...] arrays (stacking per-layer parameters: a copy)."""
+    layers = params["layers"]
+    return layers if isinstance(layers, dict) else jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -188,7 +220,7 @@ def _logits(params: Params, config: ModelConfig, x: jax.Array) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Prefill and decode: one layer body, one scan per layer group
+# Prefill and decode: one layer body, run for each layer in turn
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -201,63 +233,111 @@ def _layer(layer: Params, config: ModelConfig, x: jax.Array, cos_sin, attend):
     return _output_and_mlp(layer, config, x, attn), extra
 
 
+def _run_layer(params: Params, config: ModelConfig, step, cos_sin, x: jax.Array, group: LayerGroup, index, i):
+    """Model layer `index` (an int, or traced under a scan), the `i`-th layer of `group`: its weights and policy
+    state taken from the stacks, it stores its K/V and attends through `step`. Returns x and the group updated.
+
+    The layer's policy state is written back only when the step says it changed (on the CPU, under a `lax.cond`):
+    most decode steps change no policy state, and writing every layer's state back each step is a visible part of
+    a small model's step on the CPU (docs/research_log.md). Elsewhere the write always runs: a conditional that
+    returns its operand may make XLA:GPU copy it whole."""
+    if isinstance(params["layers"], dict):  # stacked: an int index is a static slice, a traced one a dynamic slice
+        layer = jax.tree.map(lambda p: p[index], params["layers"])
+    else:
+        layer = params["layers"][index]
+    state = jax.tree.map(lambda s: s[i], group.state)
+    x, (store, state, changed) = _layer(layer, config, x, cos_sin,
+                                        lambda q, k, v: step.attend(group, i, group.store, state, q, k, v))
+
+    def write(states):
+        return jax.tree.map(lambda s, new: jax.lax.dynamic_update_index_in_dim(s, new, i, 0), states, state)
+
+    if changed is None:
+        states = write(group.state)
+    else:
+        states = jax.lax.platform_dependent(
+            group.state, cpu=lambda s: jax.lax.cond(changed, write, lambda s: s, s), default=write)
+    return x, group.replace(store=store, state=states)
+
+
 def _run_layers(params: Params, config: ModelConfig, cache: KVCache, x: jax.Array, positions: jax.Array,
                 seq_lens: jax.Array, step, groups: tuple[LayerGroup, ...] | None = None
                 ) -> tuple[jax.Array, tuple[LayerGroup, ...]]:
     """Runs every layer on x [B, T, D] at positions [B, T] of sequences of lengths seq_lens [B] (what RoPE types
-    that depend on the length read), segment by segment of the cache (one `lax.scan` over each segment's repeats,
-    its period's layers unrolled in the body); `step` (from `clusterkv_jax.attend`) stores and attends. `groups`
-    replaces `cache.groups` (a chunked prefill carries them). Returns x and the groups with their new stores and
-    states.
+    that depend on the length read); `step` (from `clusterkv_jax.attend`) stores and attends. `groups` replaces
+    `cache.groups` (a chunked prefill carries them). Returns x and the groups with their new stores and states.
 
-    A group's stacked states ride in the scan's carry, like its store, and a layer's state is written back only
-    when the step says it changed (on the CPU, under a `lax.cond`): most decode steps change no policy state, and
-    writing every layer's state back each step is a visible part of a small model's step on the CPU (docs/research_log.md).
-    Elsewhere the write always runs: a conditional that returns the carry may make XLA:GPU copy it whole."""
+    The layers run one after another, in a Python loop or under `lax.scan`, as `kernels.layer_loop` says for the
+    device: XLA:GPU copies a layer's weights out of the stack before its matrix products when the layer is a scan
+    index, so on a GPU the loop is unrolled and reads per-layer parameters (`unstack_layers`, which `load_model`
+    applies there); elsewhere the scan costs nothing at run time and its compile time does not grow with depth.
+    Either loop takes either layout."""
     cos_sin = rope.tables(config, positions, seq_lens)
     local_cos_sin = rope.local_tables(config, positions, seq_lens) if config.local_rope_theta else cos_sin
-    local = [config.local_rope_theta is not None and t == SLIDING_ATTENTION for t in config.layer_types]
+    local = [config.local_rope_theta is not None and t == SLIDING_ATTENTION for t in config.layer_types] or (
+        [False] * config.num_layers)
     groups = list(cache.groups if groups is None else groups)
-    for seg in cache.segments:
-        ids = sorted({g for g, _ in seg.slots})  # the segment's groups
-        per_period = {g: sum(1 for h, _ in seg.slots if h == g) for g in ids}
+    place = {layer: (g, i) for g, group in enumerate(groups) for i, layer in enumerate(group.layers)}
+    if kernels.layer_loop() == "unrolled":
+        for index in range(config.num_layers):
+            g, i = place[index]
+            x, groups[g] = _run_layer(params, config, step, local_cos_sin if local[index] else cos_sin, x, groups[g],
+                                      index, i)
+        return x, tuple(groups)
 
-        def body(carry, r, seg=seg, ids=ids, per_period=per_period):
-            x, stores, states = carry
-            stores, states = dict(zip(ids, stores)), dict(zip(ids, states))
+    # Scanned: one scan per run of a repeated period of layers (`scan_runs`), the period's layers in its body.
+    run = functools.partial(_run_layer, {**params, "layers": _stacked_layers(params)}, config, step)
+    for start, period, reps in scan_runs([(place[index][0], local[index]) for index in range(config.num_layers)]):
+        slots = [(index, *place[index]) for index in range(start, start + period)]  # (model layer, group, i)
+        ids = sorted({g for _, g, _ in slots})
+        # A group's layers in a run are in model order, `per_period` of them in each repeat.
+        per_period = {g: sum(1 for _, h, _ in slots if h == g) for g in ids}
 
-            def at(tree, index):
-                return jax.tree.map(lambda p: jax.lax.dynamic_index_in_dim(p, index, keepdims=False), tree)
+        def body(carry, r, period=period, slots=slots, ids=ids, per_period=per_period):
+            x, carried = carry
+            carried = dict(zip(ids, carried))
+            for index, g, i in slots:
+                x, carried[g] = run(local_cos_sin if local[index] else cos_sin, x, carried[g], index + r * period,
+                                    i + r * per_period[g])
+            return (x, tuple(carried[g] for g in ids)), None
 
-            for m, (g, occurrence) in enumerate(seg.slots):
-                group, i = groups[g], r * per_period[g] + occurrence  # i: the layer inside its group's store
-                # Indexed inside the body (not scanned over a slice), so no segment copies the weights.
-                layer, state = at(params["layers"], seg.start + r * seg.period + m), at(states[g], i)
-                # A slot's layers share their RoPE: the segment repeats kinds, and a kind says which.
-                x, (stores[g], state, changed) = _layer(
-                    layer, config, x, local_cos_sin if local and local[seg.start + m] else cos_sin,
-                    lambda q, k, v, group=group, i=i, store=stores[g], state=state:
-                        step.attend(group, i, store, state, q, k, v))
-
-                def write(states, i=i, state=state):
-                    return jax.tree.map(lambda s, new: jax.lax.dynamic_update_index_in_dim(s, new, i, 0), states,
-                                        state)
-
-                if changed is None:
-                    states[g] = write(states[g])
-                else:
-                    states[g] = jax.lax.platform_dependent(
-                        states[g], cpu=lambda s, write=write, changed=changed: jax.lax.cond(changed, write,
-                                                                                           lambda s: s, s),
-                        default=write)
-            return (x, tuple(stores[g] for g in ids), tuple(states[g] for g in ids)), None
-
-        (x, stores, states), _ = jax.lax.scan(
-            body, (x, tuple(groups[g].store for g in ids), tuple(groups[g].state for g in ids)),
-            jnp.arange(seg.reps, dtype=jnp.int32))
-        for g, store, state in zip(ids, stores, states):
-            groups[g] = groups[g].replace(store=store, state=state)
+        (x, carried), _ = jax.lax.scan(body, (x, tuple(groups[g] for g in ids)), jnp.arange(reps, dtype=jnp.int32))
+        for g, group in zip(ids, carried):
+            groups[g] = group
     return x, tuple(groups)
+
+
+#: The longest period `scan_runs` looks for; real models repeat every 1 to 6 layers.
+MAX_PERIOD = 16
+
+
+def scan_runs(kinds: list) -> list[tuple[int, int, int]]:
+    """`kinds` (one hashable per layer) as runs (start, period, reps) of a repeated period, chosen to make the
+    scanned program smallest: the layer bodies it traces (one per slot of each period) plus one per scan.
+    [F, F, S x 30] -> (0, 1, 2), (2, 1, 30); Gemma 3's (W x 5, S) x 8 -> (0, 6, 8)."""
+    L = len(kinds)
+    # match[p][j]: how many layers from j on equal the layer p after them.
+    match = {}
+    for p in range(1, min(MAX_PERIOD, L) + 1):
+        run = [0] * (L + 1)
+        for j in range(L - p - 1, -1, -1):
+            run[j] = run[j + 1] + 1 if kinds[j] == kinds[j + p] else 0
+        match[p] = run
+    cost, choice = [0] * (L + 1), [None] * (L + 1)
+    for s in range(L - 1, -1, -1):
+        best = None
+        for p in range(1, min(MAX_PERIOD, L - s) + 1):
+            for reps in sorted({min(p + match[p][s], L - s) // p, 1}, reverse=True):
+                total = p + 1 + cost[s + p * reps]
+                if best is None or total < best[0]:
+                    best = (total, p, reps)
+        cost[s], choice[s] = best[0], best[1:]
+    out, s = [], 0
+    while s < L:
+        p, reps = choice[s]
+        out.append((s, p, reps))
+        s += p * reps
+    return out
 
 
 def forward_prefill(

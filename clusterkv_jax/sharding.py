@@ -267,15 +267,21 @@ def param_specs(config: ModelConfig, rules: ShardingRules) -> dict[str, Any]:
                         is_leaf=lambda x: isinstance(x, tuple))
 
 
-def param_shardings(config: ModelConfig, mesh_or_rules) -> dict[str, Any]:
+def param_shardings(config: ModelConfig, mesh_or_rules, per_layer: bool = False) -> dict[str, Any]:
+    """NamedShardings in the layout of `model.param_shapes`, or with `per_layer` in that of `model.unstack_layers`
+    (each layer's arrays without the leading "layers" dim, which is never split)."""
     rules = _as_rules(config, mesh_or_rules)
-    return jax.tree.map(rules.named, param_specs(config, rules), is_leaf=lambda x: isinstance(x, P))
+    specs = param_specs(config, rules)
+    if per_layer:
+        layer = {name: P(*spec[1:]) for name, spec in specs["layers"].items()}
+        specs = {**specs, "layers": tuple(dict(layer) for _ in range(config.num_layers))}
+    return jax.tree.map(rules.named, specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def shard_params(params, config: ModelConfig, mesh) -> Any:
-    """Places `params` on `mesh` (a Mesh, a spec such as "data=2,model=2", or ShardingRules). Arrays that
-    already have their sharding are not copied."""
-    shardings = param_shardings(config, mesh)
+    """Places `params` (stacked or per layer) on `mesh` (a Mesh, a spec such as "data=2,model=2", or ShardingRules).
+    Arrays that already have their sharding are not copied."""
+    shardings = param_shardings(config, mesh, per_layer=not isinstance(params["layers"], dict))
     return jax.tree.map(lambda x, s: x if getattr(x, "sharding", None) == s else jax.device_put(x, s),
                         params, shardings)
 

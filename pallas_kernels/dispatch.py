@@ -73,6 +73,17 @@ def on_tpu(device=None) -> bool:
     return device.platform == "tpu"
 
 
+def on_gpu(device=None) -> bool:
+    """True on any GPU, CUDA or ROCm, whatever it can run (default: the first JAX device, or the `compile_for`
+    device)."""
+    if device is None:
+        try:
+            device = _target_device()
+        except RuntimeError:
+            return False
+    return device.platform in ("gpu", "cuda", "rocm")
+
+
 def describe_target() -> str:
     """The device kernels are chosen for, in words (for error messages)."""
     try:

@@ -22,7 +22,7 @@ from clusterkv_jax import sharding as sh
 from clusterkv_jax.config import ModelConfig
 from clusterkv_jax.generate import Sampling, decode_step, generate_ids, prefill
 from clusterkv_jax.loading import Model
-from clusterkv_jax.model import init_params
+from clusterkv_jax.model import init_params, unstack_layers
 from pallas_kernels import dispatch
 
 # 4 query / 2 KV heads: model=2 splits them. 6 / 3: it cannot (the fallback replicates them).
@@ -146,6 +146,19 @@ def main(out_path: str) -> None:
         "params.down": (layers["down"], named(None, "model", None)),
         "params.attn_norm": (layers["attn_norm"], named()),
     })
+    # Per-layer parameters (a GPU's layout, `unstack_layers`): each layer's arrays split as the stack is, less its
+    # leading "layers" dim, holding that layer's values.
+    per_layer = sh.shard_params(unstack_layers(model.params), CFG, mesh)["layers"]
+    want.update({
+        "params.per_layer.q": (per_layer[1]["q"], named(None, "model", None)),
+        "params.per_layer.o": (per_layer[1]["o"], named("model", None, None)),
+        "params.per_layer.gate": (per_layer[0]["gate"], named(None, "model")),
+        "params.per_layer.down": (per_layer[1]["down"], named("model", None)),
+        "params.per_layer.attn_norm": (per_layer[1]["attn_norm"], named()),
+    })
+    res["per_layer_values_equal"] = all(
+        np.array_equal(np.asarray(per_layer[i][name]), np.asarray(model.params["layers"][name][i]))
+        for i in range(CFG.num_layers) for name in model.params["layers"])
     res["shardings"] = {k: _sharding_report(x, s) for k, (x, s) in want.items()}
     # A second call reuses the placed parameters (no new placement).
     generate(model, prompts[:2], NEW, policy=POLICIES["full"], mesh=mesh, stop_at_eos=False)

@@ -103,6 +103,20 @@ def _no_store_copy(program, policy):
     assert not re.search(re.escape(shape) + r"\{[^}]*\} copy\(", program.hlo)
 
 
+@pytest.mark.parametrize("policy", [FullKV(), ClusterKV(budget=256)], ids=["full", "clusterkv"])
+def test_decode_reads_every_weight_in_place(target, policy):
+    """No decode step holds a copy of a layer's weights. Under a `lax.scan` over the stacked weights XLA:GPU copied
+    each layer's out of the stack before its matrix products (352 MB of device temporaries at the aot geometry, and
+    on an H200 the weights read about 2.6 times a step); on a GPU the layers now run unrolled over per-layer arrays
+    (`kernels.layer_loop`, `model.unstack_layers`); a static slice of the stack still had the output projection
+    copied (33.6 MB). At a 1k context, batch 1, a step's whole scratch is now smaller than one layer's q projection
+    (33.5 MB). What is left on sm90 (16.8 MB) is XLA:GPU's rewrite of the k and v projections, vector-matrix
+    products of that size, into a product it materialises and a reduction (docs/research_log.md)."""
+    program = aot.model_programs(CONFIG, {"p": policy}, device=target, batch=1, context=1024)[0]
+    q_projection = CONFIG.hidden_size * CONFIG.num_heads * CONFIG.head_dim * 2  # bfloat16
+    assert program.device_temp_bytes < q_projection, (program.device_temp_bytes, q_projection)
+
+
 @pytest.mark.parametrize("gqa", ["per_head", "shared"])
 def test_clusterkv_decode_and_prefill_compile_with_the_pallas_kernels(target, gqa):
     """kernels="pallas": on sm90 the Triton kernels, on a TPU their Mosaic versions: the decode step holds the

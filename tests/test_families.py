@@ -7,6 +7,8 @@ each family llama.cpp names converts to the same parameters."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -134,6 +136,12 @@ def test_policies_run_and_offloading_changes_nothing(case):
     on_device = _generate(ours, ids, small)[0]
     assert _generate(ours, ids, ckv.ClusterKV(budget=24, offload=True, **SMALL))[0] == on_device, name
     assert len(_generate(ours, ids, ckv.Quest(budget=32, page_size=8, full_layers=1))[0]) == NEW
+    # The layers as a GPU runs them (a Python loop over per-layer parameters, not the CPU's scan over stacked ones):
+    # the same tokens, with the KV in device and in host memory.
+    gpu_layout = dataclasses.replace(ours, params=ckv.model.unstack_layers(ours.params))
+    with ckv.kernels.forced_layer_loop("unrolled"):
+        assert _generate(gpu_layout, ids, small)[0] == on_device, name
+        assert _generate(gpu_layout, ids, ckv.ClusterKV(budget=24, offload=True, **SMALL))[0] == on_device, name
 
 
 @pytest.mark.parametrize("case", ARCHITECTURES, indirect=True)
@@ -150,7 +158,8 @@ def test_ragged_batch_equals_each_prompt_alone(case):
 
 def test_windowed_layers_hold_their_window_whatever_the_context():
     """Gemma 3 12B's pattern (48 layers, five windowed to each full one): each windowed layer holds W rows at a 4k
-    and a 32k capacity; a full layer grows with the capacity; the model scans one segment of 8 repeats of 6 layers."""
+    and a 32k capacity; a full layer grows with the capacity; the windowed layers share one store, the others
+    another."""
     config = ckv.ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=48, num_heads=4,
                              num_kv_heads=2, head_dim=16, max_position_embeddings=32768, sliding_window=1024,
                              layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 8)
@@ -164,11 +173,16 @@ def test_windowed_layers_hold_their_window_whatever_the_context():
                 want = row * (config.sliding_window if windowed else policy.store_rows(capacity))
                 assert layer["device"] == want, (capacity, i)
     cache = ckv.init_cache(config, ckv.ClusterKV(budget=256, full_layers=0), 1, 4096)
-    assert [(s.start, s.period, s.reps) for s in cache.segments] == [(0, 6, 8)]
+    # One group per kind: the windowed layers in one store, the global ones in another, each in model order.
+    assert [(g.attention, g.layers) for g in cache.groups] == [
+        ("windowed", tuple(i for i in range(48) if i % 6 != 5)), ("selecting", tuple(range(5, 48, 6)))]
+    assert [cache.group_of(i)[1] for i in (0, 4, 5, 6, 11)] == [0, 4, 0, 5, 1]
+    # The scanned layer loop: one scan of 8 repeats of the 6-layer period.
+    assert ckv.model.scan_runs([(cache.group_of(i)[0].attention, i % 6 == 5) for i in range(48)]) == [(0, 6, 8)]
     # Runs where a period would trace more layers: two full layers, then selecting ones.
-    assert ckv.cache.segments(["F", "F"] + ["S"] * 30) == [(0, 1, 2), (2, 1, 30)]
+    assert ckv.model.scan_runs(["F", "F"] + ["S"] * 30) == [(0, 1, 2), (2, 1, 30)]
     # Gemma 3 with its first full layer kept whole: runs of W and F, then (W5 S) seven times.
-    assert ckv.cache.segments((["W"] * 5 + ["F"]) + (["W"] * 5 + ["S"]) * 7) == [(0, 1, 5), (5, 1, 1), (6, 6, 7)]
+    assert ckv.model.scan_runs((["W"] * 5 + ["F"]) + (["W"] * 5 + ["S"]) * 7) == [(0, 1, 5), (5, 1, 1), (6, 6, 7)]
     # A window as long as the capacity never binds: the layer attends in full (and selects).
     assert {g.attention for g in ckv.init_cache(config, ckv.ClusterKV(full_layers=0), 1, 1024).groups} == {"selecting"}
 

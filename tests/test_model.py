@@ -106,3 +106,40 @@ def test_bfloat16_params_stay_close_to_float32(smollm2):
     ours = _jax_logits(dataclasses.replace(smollm2, params=bf16), ids)
     assert ours.dtype == np.float32  # logits accumulate in float32 whatever the params
     assert (ours.argmax(-1) == ref.argmax(-1)).mean() > 0.9
+
+
+def test_either_layer_loop_over_either_parameter_layout_gives_the_same_logits():
+    """A GPU runs the layers in a Python loop over per-layer parameters (`kernels.layer_loop`,
+    `model.unstack_layers`); elsewhere a `lax.scan` over the stacked ones, the form the HF comparisons check. On a
+    tiny Gemma-3-like model (windowed layers with a RoPE base of their own among global ones; ClusterKV selecting
+    after one full layer), all four combinations give the same prefill logits at every position and the same
+    logits in each of 6 decode steps, which cross ClusterKV's decode-time clustering."""
+    from clusterkv_jax import ClusterKV, ModelConfig, kernels, model
+
+    config = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=7, num_heads=4,
+                         num_kv_heads=2, head_dim=8, max_position_embeddings=512, sliding_window=16,
+                         local_rope_theta=10000.0, rope_theta=1e6,
+                         layer_types=(["sliding_attention"] * 2 + ["full_attention"]) * 2 + ["sliding_attention"])
+    policy = ClusterKV(budget=24, sinks=4, tokens_per_cluster=8, decode_interval=4, decode_clusters=2, full_layers=1)
+    stacked = model.init_params(config, jax.random.key(3))
+    per_layer = model.unstack_layers(stacked)
+    assert len(per_layer["layers"]) == 7 and per_layer["layers"][2]["q"].shape == stacked["layers"]["q"].shape[1:]
+    np.testing.assert_array_equal(per_layer["layers"][2]["q"], stacked["layers"]["q"][2])
+    ids = np.random.default_rng(0).integers(0, config.vocab_size, (1, 64))
+    results = {}
+    for loop in kernels.LAYER_LOOPS:
+        with kernels.forced_layer_loop(loop):
+            for layout, params in (("stacked", stacked), ("per layer", per_layer)):
+                cache = init_cache(config, policy, 1, 128, jnp.float32)
+                logits, cache = jax.jit(lambda p, c: model.forward_prefill(
+                    p, config, policy, jnp.asarray(ids), jnp.array([64]), c, all_logits=True))(params, cache)
+                step = jax.jit(lambda p, t, c: model.forward_decode(p, config, policy, t, c))
+                out = [np.asarray(logits)]
+                for token in range(6):
+                    logits, cache = step(params, jnp.array([token]), cache)
+                    out.append(np.asarray(logits))
+                results[loop, layout] = out
+    reference = results["scanned", "stacked"]
+    for key, out in results.items():
+        for got, want in zip(out, reference):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=str(key))

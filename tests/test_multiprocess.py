@@ -62,7 +62,15 @@ def run_together(commands: list[list[str]], env: dict, limit: float = LIMIT_S) -
     except subprocess.TimeoutExpired:
         for p in procs:
             p.kill()
-        pytest.fail(f"{commands[0][:6]}... did not end within {limit} s")
+        tails = [f"--- process {i}, exit {r.returncode} ---\n{r.stderr[-1500:]}" for i, r in enumerate(results)]
+        for i, p in enumerate(procs[len(results):], start=len(results)):
+            try:
+                err = p.communicate(timeout=10)[1]
+            except (subprocess.TimeoutExpired, ValueError):
+                err = ""
+            tails.append(f"--- process {i}, killed ---\n{(err or '')[-1500:]}")
+        pytest.fail(f"{commands[0][:6]}... did not end within {limit} s; the end of each one's stderr:\n"
+                    + "\n".join(tails))
     return results
 
 

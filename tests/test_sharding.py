@@ -78,8 +78,9 @@ def test_arrays_have_the_intended_shardings(report):
     bad = {k: v for k, v in report["shardings"].items() if not v["ok"]}
     assert not bad
     assert {"cache.k", "cache.host_k", "clusterkv.centroids", "offload.cache_ids", "params.q", "params.down",
-            "decode_step.host_k"} <= set(report["shardings"])
+            "params.per_layer.q", "decode_step.host_k"} <= set(report["shardings"])
     assert report["params_reused"], "a second generate() on the same mesh placed the parameters again"
+    assert report["per_layer_values_equal"], "per-layer parameters placed on the mesh differ from the stacked ones"
 
 
 def test_compiled_program_has_no_gather_of_kv(report):

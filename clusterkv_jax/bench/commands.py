@@ -28,10 +28,10 @@ def _bench_model(args):
 
     if args.synthetic:
         from clusterkv_jax.config import synthetic_config
-        from clusterkv_jax.model import init_params
+        from clusterkv_jax.model import for_device, init_params
 
         config = synthetic_config(args.synthetic, args.layers)
-        params = init_params(config, jax.random.PRNGKey(args.seed), dtype=args.dtype)
+        params = for_device(init_params(config, jax.random.PRNGKey(args.seed), dtype=args.dtype), free=True)
         return config, params, None, f"{args.synthetic} geometry, {config.num_layers} layers, random weights"
     model = _load_model(args)
     need = max(args.context) * args.batch
