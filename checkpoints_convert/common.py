@@ -380,7 +380,8 @@ def staging_dir(dst: str, overwrite: bool, src: str | None = None):
             os.makedirs(parent, exist_ok=True)
             sweep_stale_staging(dst)
         except OSError as e:
-            raise OSError(e.errno, f"cannot write the destination {dst!r}: {e.strerror or e}") from None
+            why = _why_not_a_directory(parent) or e.strerror or e
+            raise OSError(e.errno, f"cannot write the destination {dst!r}: {why}") from None
         staging = _make_staging(dst)
         try:
             yield staging
@@ -388,6 +389,20 @@ def staging_dir(dst: str, overwrite: bool, src: str | None = None):
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
+
+
+def _why_not_a_directory(path: str) -> str | None:
+    """'X is a file, not a directory' for the first existing ancestor of `path` (itself included) that is not a
+    directory (os.makedirs says only "File exists" or "Not a directory"); None if there is none."""
+    path = os.path.abspath(path)
+    ancestors = []
+    while path not in ancestors:
+        ancestors.append(path)
+        path = os.path.dirname(path)
+    for ancestor in reversed(ancestors):
+        if os.path.lexists(ancestor) and not os.path.isdir(ancestor):
+            return f"{ancestor!r} is a file, not a directory"
+    return None
 
 
 def _make_staging(dst: str) -> str:

@@ -8,8 +8,8 @@ KV, ClusterKV and Quest, each with its KV in device memory and offloaded to pinn
 prefill, with the kernels `kernels="auto"` picks there (on a TPU the Mosaic kernels, on an H100 the Triton
 block indexing: `clusterkv_jax.kernels.AUTO_ON_GPU`), and ClusterKV's decode step with every Pallas kernel
 (`kernels="pallas"`), and prints one row per program: compile seconds, the Pallas kernels in it, device and host
-memory. This is the target's whole XLA pipeline (Triton and ptxas for the GPU, Mosaic for the TPU): what would
-fail to compile on the device fails here. `make aot-cuda` / `make aot-tpu` install what each needs into a venv of its own (jax's
+memory, and the bytes XLA's cost analysis counts it accessing. This is the target's whole XLA pipeline (Triton
+and ptxas for the GPU, Mosaic for the TPU): what would fail to compile on the device fails here. `make aot-cuda` / `make aot-tpu` install what each needs into a venv of its own (jax's
 CUDA plugin of the same version, `jax-cuda12-pjrt` and ptxas from `nvidia-cuda-nvcc-cu12`; or libtpu via
 `jax[tpu]`) and run this and `tests/test_aot.py`.
 
@@ -93,7 +93,9 @@ def abstract(fn, *args, **kwargs):
     """The pytree fn(*args, **kwargs) would return (all arguments static), as `jax.ShapeDtypeStruct`s that keep
     their memory kind, pinned_host or device, on the host CPU backend: `jax.eval_shape` drops the kind. Allocates
     nothing. (Only a `NamedSharding` gives a struct's traced value its memory space.)"""
-    traced = jax.jit(fn, static_argnums=tuple(range(len(args))), static_argnames=tuple(kwargs)).trace(*args, **kwargs)
+    # A fresh function each call: what it builds may depend on the target being compiled for (`compile_for`).
+    traced = jax.jit(lambda *a, **k: fn(*a, **k), static_argnums=tuple(range(len(args))),
+                     static_argnames=tuple(kwargs)).trace(*args, **kwargs)
     mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:1]), ("host",))
 
     def struct(aval):
@@ -115,6 +117,7 @@ class Compiled:
     device_temp_bytes: int
     host_argument_bytes: int
     hlo: str  # the optimized HLO
+    bytes_accessed: float | None = None  # XLA's cost analysis of the optimized program (None where it has none)
 
     @property
     def host_buffers(self) -> int:
@@ -156,25 +159,56 @@ def compile_for_device(name: str, jitted, device, *args, **kwargs) -> Compiled:
     hlo = "\n".join(m.to_string() for m in executable.hlo_modules())
     return Compiled(name=name, seconds=seconds, kernels=_pallas_kernels(hlo),
                     device_argument_bytes=stats.argument_size_in_bytes, device_temp_bytes=stats.temp_size_in_bytes,
-                    host_argument_bytes=stats.host_argument_size_in_bytes, hlo=hlo)
+                    host_argument_bytes=stats.host_argument_size_in_bytes, hlo=hlo,
+                    bytes_accessed=_bytes_accessed(executable))
+
+
+def _bytes_accessed(executable) -> float | None:
+    """The "bytes accessed" of XLA's cost analysis (`HloCostAnalysis`) of the optimized program: what its
+    instructions read and write, each fusion counted by its operands and results, a custom call (a Pallas kernel
+    among them) likewise. XLA's count, not the device's traffic: an in-place update counts its whole buffer read and
+    written, and a while loop's body (the scanned layers on a TPU) counts once. The compile-only client has no cost
+    analysis of its own, so the host CPU backend's runs on the target's optimized HLO (sizes are the same on every
+    backend). None where that fails."""
+    from jax._src.lib import _jax  # not public in jax 0.10.2
+
+    try:
+        cpu = jax.devices("cpu")[0].client
+        return float(sum(_jax.hlo_module_cost_analysis(cpu, m).get("bytes accessed", 0.0)
+                         for m in executable.hlo_modules()))
+    except Exception:  # noqa: BLE001 -- a jax without this entry point, or a module it cannot analyse
+        return None
+
+
+def target_cache(config, policy, *, device, batch: int, context: int, decode_room: int = 64, dtype=jnp.bfloat16):
+    """The abstract cache `model_programs` compiles a decode step with: `context + decode_room` tokens sized as
+    `generate` sizes them (`cache_capacity`), laid out for `device` (a GPU's holds each layer in a group of its
+    own: `cache.plan_layers`)."""
+    from clusterkv_jax.cache import init_cache
+    from clusterkv_jax.generate import cache_capacity
+    from pallas_kernels.dispatch import compile_for
+
+    with compile_for(device):
+        return abstract(init_cache, config, policy, batch, cache_capacity(context, decode_room), dtype)
 
 
 def model_programs(config, policies: dict, *, device, batch: int, context: int, decode_room: int = 64,
                    dtype=jnp.bfloat16, prefill: tuple[str, ...] = ()) -> list[Compiled]:
-    """Compiles `generate.decode_step` for each named policy (a cache of `context + decode_room` tokens) and
-    `generate.prefill` of a `context`-token prompt for the names in `prefill`."""
-    from clusterkv_jax.cache import init_cache
+    """Compiles `generate.decode_step` for each named policy (a cache of `context + decode_room` tokens, sized as
+    `generate` sizes it: `cache_capacity`) and `generate.prefill` of a `context`-token prompt for the names in
+    `prefill`."""
     from clusterkv_jax.generate import decode_step
     from clusterkv_jax.generate import prefill as prefill_step
     from clusterkv_jax.model import for_device, init_params
     from pallas_kernels.dispatch import compile_for
 
-    with compile_for(device):  # the parameters in the layout the target's layer loop reads
+    with compile_for(device):  # the parameters and the cache in the layout the target's layer loop reads
         params = jax.eval_shape(lambda: for_device(init_params(config, jax.random.key(0), dtype)))
     tokens = jax.ShapeDtypeStruct((batch,), jnp.int32)
     out = []
     for name, policy in policies.items():
-        cache = abstract(init_cache, config, policy, batch, context + decode_room, dtype)
+        cache = target_cache(config, policy, device=device, batch=batch, context=context, decode_room=decode_room,
+                             dtype=dtype)
         out.append(compile_for_device(f"decode {name}", decode_step, device, params, tokens, cache,
                                       config=config, policy=policy))
         if name in prefill:
@@ -215,8 +249,9 @@ def main(argv=None) -> int:
     cc = f" (compute capability {device.compute_capability})" if args.platform == "cuda" else ""
     print(f"target {device.device_kind}{cc}, jax {jax.__version__}; "
           f"{args.geometry} x {args.layers} layers, batch {args.batch}, context {args.context}, bfloat16")
-    print("| program | compile s | Pallas kernels | host-memory buffers | device args MB | device temp MB | host args MB |")
-    print("|---|---|---|---|---|---|---|")
+    print("| program | compile s | Pallas kernels | host-memory buffers | device args MB | device temp MB | host args MB "
+          "| MB accessed |")
+    print("|---|---|---|---|---|---|---|---|")
     failed = 0
     for name, policy in policies.items():
         try:
@@ -229,7 +264,8 @@ def main(argv=None) -> int:
         for r in results:
             print(f"| {r.name} | {r.seconds:.1f} | {', '.join(r.kernels) or '-'} | {r.host_buffers} | "
                   f"{r.device_argument_bytes / 1e6:.0f} | {r.device_temp_bytes / 1e6:.0f} | "
-                  f"{r.host_argument_bytes / 1e6:.0f} |", flush=True)
+                  f"{r.host_argument_bytes / 1e6:.0f} | "
+                  f"{'-' if r.bytes_accessed is None else f'{r.bytes_accessed / 1e6:.0f}'} |", flush=True)
     print("all programs compiled" if not failed else f"{failed} failed")
     return 1 if failed else 0
 

@@ -12,8 +12,9 @@ window. A budget applies to each selecting layer.
 
 The layers of one kind share one `LayerGroup`: one store (`clusterkv_jax.store.DeviceKV` or
 `clusterkv_jax.offload.HostKV`) stacked over the group's layers and, for selecting layers, the policy's state
-stacked likewise (Gemma 3's five windowed layers of every six are one group, its global ones another). Buffers exist
-only where they are used: no policy state for full or windowed layers, no host buffers for device layers.
+stacked likewise (Gemma 3's five windowed layers of every six are one group, its global ones another). On a GPU,
+where the model's layer loop is unrolled, each layer is a group of its own (`plan_layers`). Buffers exist only where
+they are used: no policy state for full or windowed layers, no host buffers for device layers.
 
 Everything is capacity-padded: rows at or past `lengths[b]` of sequence b are padding. Donate the cache to the
 step that consumes it. Every array declares its logical axes and memory (`clusterkv_jax.axes`).
@@ -29,7 +30,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from clusterkv_jax import axes
+from clusterkv_jax import axes, kernels
 from clusterkv_jax.config import ModelConfig, check_size
 from clusterkv_jax.offload import HostKV, host_memory_kind
 from clusterkv_jax.store import DeviceKV
@@ -60,8 +61,13 @@ class GroupPlan(NamedTuple):
 
 
 def plan_layers(config: ModelConfig, policy, capacity: int) -> list[GroupPlan]:
-    """The groups of a cache: one per kind of layer, in the order each kind first appears."""
+    """The groups of a cache: one per kind of layer, in the order each kind first appears; one per layer where the
+    model's layer loop is unrolled (`kernels.layer_loop`, a GPU's): XLA:GPU copies a layer's V out of a stacked
+    store before the attention's split probabilities-times-V product (68 MB a layer at 32k, deviceless H100), and
+    reads a store of its own in place."""
     kinds = layer_kinds(config, policy, capacity)
+    if kernels.layer_loop() == "unrolled":
+        return [GroupPlan((layer,), kind) for layer, kind in enumerate(kinds)]
     return [GroupPlan(tuple(layer for layer, k in enumerate(kinds) if k == kind), kind) for kind in dict.fromkeys(kinds)]
 
 
@@ -113,15 +119,24 @@ class KVCache:
         return any(g.on_host for g in self.groups)
 
     @property
+    def selecting_groups(self) -> tuple[LayerGroup, ...]:
+        """The groups of selecting layers, in model order (a GPU's cache has one per layer)."""
+        return tuple(sorted((g for g in self.groups if g.selecting), key=lambda g: g.layers[0]))
+
+    @property
     def selecting(self) -> LayerGroup | None:
-        """The group of selecting layers (None when every layer attends to everything)."""
-        return next((g for g in self.groups if g.selecting), None)
+        """The first group of selecting layers (None when every layer attends to everything)."""
+        groups = self.selecting_groups
+        return groups[0] if groups else None
 
     @property
     def policy_state(self) -> Any:
-        """The policy's state of the selecting layers, leading axis [L - full_layers] (None without any)."""
-        group = self.selecting
-        return None if group is None else group.state
+        """The policy's state of the selecting layers, leading axis [selecting layers] in model order (None without
+        any): the selecting groups' states, concatenated where there are several."""
+        groups = self.selecting_groups
+        if len(groups) <= 1:
+            return groups[0].state if groups else None
+        return jax.tree.map(lambda *states: jnp.concatenate(states), *(g.state for g in groups))
 
     def group_of(self, layer: int) -> tuple[LayerGroup, int]:
         """(the group holding model layer `layer`, its index inside that group)."""

@@ -106,7 +106,7 @@ def cmd_generate(args) -> int:
     label = "full KV" if args.policy == "full" else f"{args.policy} B={args.budget}"
     label += " (offloaded)" if args.offload else ""
     prompt_length = result.prompt_lengths[0]
-    attends = attended_per_step(policy, model.config.num_layers, prompt_length)
+    attends = attended_per_step(policy, model.config, prompt_length, args.max_new_tokens)
     print(f"prompt: {prompt_length} tokens; {label} {attends}", file=sys.stderr)
     if args.mesh:  # each process holds its shards, not the whole
         from clusterkv_jax.distributed import describe_share

@@ -269,8 +269,9 @@ def _input_clash(path: str, args) -> str | None:
 
 def check_outputs(args) -> None:
     """Where results will be written (--out, --json) can be written, and is none of the command's inputs: checked
-    before hours of computing, and without creating anything (a command that then fails leaves no empty
-    directory). A --json file may not be an existing directory."""
+    before hours of computing, and leaving nothing behind (a command that then fails leaves no empty directory;
+    the check makes a directory where the first missing one would go and removes it). A --json file may not be an
+    existing directory."""
     folders = []
     if getattr(args, "out", None):
         folders.append(("--out", os.path.abspath(args.out)))
@@ -292,8 +293,8 @@ def check_outputs(args) -> None:
             if existing == folder:
                 with tempfile.TemporaryFile(dir=folder):
                     pass
-            elif not os.access(existing, os.W_OK | os.X_OK):
-                raise PermissionError(f"{existing!r} is not writable")
+            else:  # what the writer will do first: make a directory there (os.access says yes to root under /proc)
+                os.rmdir(tempfile.mkdtemp(dir=existing, prefix=".clusterkv-check-"))
         except OSError as e:
             raise ValueError(f"cannot write results to {flag} {folder!r}: {e.strerror or e}") from None
 
@@ -361,22 +362,38 @@ def run_reporting_errors(run, *, debug: bool, prefix: str, error_code: int, inte
         return error_code
 
 
-def attended_per_step(policy, num_layers: int, prompt_length: int) -> str:
-    """What one decode step of `policy` attends, in a line, so a user sees whether a budget compressed anything."""
+def attended_per_step(policy, config, prompt_length: int, max_new_tokens: int = 1) -> str:
+    """What one decode step of `policy` attends, in a line, so a user sees whether a budget compressed anything:
+    per kind of layer (`cache.layer_kinds`) in the cache `generate` sizes for the prompt and `max_new_tokens`, so
+    windowed layers are named for what they are."""
+    from clusterkv_jax.cache import SELECTING, WINDOWED, layer_kinds
+    from clusterkv_jax.generate import bucket_length, cache_capacity
+
+    kinds = [k.attention for k in layer_kinds(config, policy, cache_capacity(bucket_length(prompt_length),
+                                                                               max_new_tokens))]
+    L, windowed, selecting = len(kinds), kinds.count(WINDOWED), kinds.count(SELECTING)
+    full = L - windowed - selecting
+    windows = (f"; {windowed} windowed layer{'s' if windowed > 1 else ''} attend{'s' if windowed == 1 else ''} "
+               f"the last {config.sliding_window} tokens" if windowed else "")
+    if windowed == L:
+        return (f"attends the last {config.sliding_window} tokens in all {L} layers: every layer is windowed, so no "
+                "layer selects")
     budget = getattr(policy, "budget", None)
-    if budget is None or policy.full_layers >= num_layers:
-        return f"attends all {prompt_length} prompt tokens and every generated one, in all {num_layers} layers"
+    if budget is None or not selecting:
+        where = f"in all {L} layers" if not windowed else f"in {full} of {L} layers"
+        return f"attends all {prompt_length} prompt tokens and every generated one, {where}{windows}"
     if budget >= prompt_length and policy.name == "streaming":
         return (f"attends all {prompt_length} prompt tokens until the sequence passes B={budget} tokens, then the "
-                f"first {policy.sinks} and the most recent {budget - policy.sinks}")
+                f"first {policy.sinks} and the most recent {budget - policy.sinks}{windows}")
     if budget >= prompt_length:
         return (f"attends all {prompt_length} prompt tokens: the budget B={budget} covers the prompt, so this is "
-                "full KV")
-    layers = f"in {num_layers - policy.full_layers} of {num_layers} layers" + (
-        f" (the first {policy.full_layers} attend all)" if policy.full_layers else "")
+                f"full KV{windows}")
+    first = [i for i, k in enumerate(kinds) if k not in (WINDOWED, SELECTING)] == list(range(full))
+    layers = f"in {selecting} of {L} layers" + (f" ({'the first ' if first else ''}{full} attend all)" if full else "")
     if policy.name == "streaming":  # the budget covers every token, generated ones included
         return (f"attends {budget} tokens per step, the first {policy.sinks} and the most recent "
-                f"{budget - policy.sinks}, of the {prompt_length} prompt tokens and the generated ones, {layers}")
+                f"{budget - policy.sinks}, of the {prompt_length} prompt tokens and the generated ones, "
+                f"{layers}{windows}")
     if policy.name == "clusterkv":
         later = f"and the generated tokens not clustered yet (at most {policy.decode_interval})"
     elif policy.window_size(prompt_length + 1) >= prompt_length + 1:  # a budget on the prompt only
@@ -384,7 +401,7 @@ def attended_per_step(policy, num_layers: int, prompt_length: int) -> str:
     else:
         later = "and the generated tokens not indexed yet"
     how = " chosen by cluster" if policy.name == "clusterkv" else ""
-    return f"attends {budget} of the {prompt_length} prompt tokens per step{how} {later}, {layers}"
+    return f"attends {budget} of the {prompt_length} prompt tokens per step{how} {later}, {layers}{windows}"
 
 
 def _subcommands(parser: argparse.ArgumentParser):

@@ -228,6 +228,11 @@ class ModelConfig:
         num_heads = hf["num_attention_heads"]
         hidden = hf["hidden_size"]
         head_dim = hf.get("head_dim") or family.head_dim or hidden // num_heads
+        if hf.get("rope_scaling") and hf.get("rope_parameters"):
+            # Both keys: transformers uses `rope_scaling` in place of `rope_parameters`, its theta the top-level
+            # `rope_theta` or the default, never `rope_parameters`' (`PreTrainedConfig.convert_rope_params_to_dict`);
+            # ignoring the scaling here left logits up to 3.2 away from HF's.
+            hf = {**hf, "rope_parameters": None}
         rope_theta, rope_scaling, local_rope_theta = _parse_layer_ropes(hf, family)
 
         eos = hf.get("eos_token_id")

@@ -86,7 +86,7 @@ def run_demo(model, *, context: int, budget: int, max_new_tokens: int, seed: int
                 (f"StreamingLLM B={budget}", StreamingLLM(budget=budget))]
     texts, rates = {}, {}
     for label, policy in policies:
-        print(f"\n{label}: {attended_per_step(policy, model.config.num_layers, len(prompt))}", file=out)
+        print(f"\n{label}: {attended_per_step(policy, model.config, len(prompt), max_new_tokens)}", file=out)
         result = generate(model, prompt, max_new_tokens, policy=policy)  # the first call compiles
         texts[label] = result.texts[0].strip()
         verdict = "" if answer is None else ("   [finds " + answer + "]" if answer in texts[label] else

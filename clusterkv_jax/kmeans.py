@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from clusterkv_jax import kernels
 from clusterkv_jax.ops import map_leading, top_k_indices
@@ -189,7 +190,6 @@ def problem_keys(seed_key: jax.Array, P: int) -> jax.Array:
     return jax.vmap(lambda i: jax.random.fold_in(seed_key, i))(jnp.arange(P))
 
 
-@functools.partial(jax.jit, static_argnames=("max_clusters", "max_iters", "init", "impl", "tol"))
 def cosine_kmeans(
     keys: jax.Array,  # [P, N, H]
     valid: jax.Array,  # [P, N] bool
@@ -204,18 +204,33 @@ def cosine_kmeans(
 ) -> KMeansResult:
     """Cosine K-means of each problem's valid keys into num_clusters[p] clusters (slots beyond stay empty),
     iterated until at most a fraction `tol` of each problem's keys moves (see `kmeans_from_directions`).
-    A key holding a NaN or inf counts as masked (label C, in no cluster)."""
+    A key holding a NaN or inf counts as masked (label C, in no cluster). Jitted; a `num_clusters` known here
+    (not traced) outside [1, max_clusters] is refused."""
     if isinstance(max_clusters, bool) or not isinstance(max_clusters, int) or max_clusters < 1:
         raise ValueError(f"max_clusters must be a positive int, got {max_clusters!r}")
     if isinstance(max_iters, bool) or not isinstance(max_iters, int) or max_iters < 1:
         raise ValueError(f"max_iters must be a positive int, got {max_iters!r}")
+    if init not in ("random", "kmeans++"):
+        raise ValueError(f"unknown init {init!r}; use 'random' or 'kmeans++'")
+    try:
+        counts = np.asarray(num_clusters)
+    except jax.errors.TracerArrayConversionError:  # traced: the caller's to keep in [1, max_clusters]
+        counts = None
+    if counts is not None and counts.size and (counts.min() < 1 or counts.max() > max_clusters):
+        raise ValueError(f"num_clusters must be in [1, max_clusters={max_clusters}] for every problem, got "
+                         f"{counts.tolist() if counts.size <= 8 else (counts.min(), counts.max())}")
+    return _cosine_kmeans(keys, valid, num_clusters, rngs, max_clusters=max_clusters, max_iters=max_iters,
+                          init=init, impl=impl, tol=tol)
+
+
+@functools.partial(jax.jit, static_argnames=("max_clusters", "max_iters", "init", "impl", "tol"))
+def _cosine_kmeans(keys, valid, num_clusters, rngs, *, max_clusters: int, max_iters: int, init: str, impl: str,
+                   tol: float) -> KMeansResult:
     keys, valid = _finite_keys(keys, valid)
     if init == "random":
         directions = init_random(keys, valid, max_clusters, rngs)
-    elif init == "kmeans++":
-        directions = init_kmeans_plus_plus(keys, valid, max_clusters, rngs)
     else:
-        raise ValueError(f"unknown init {init!r}; use 'random' or 'kmeans++'")
+        directions = init_kmeans_plus_plus(keys, valid, max_clusters, rngs)
     return _lloyd(keys, valid, num_clusters, directions, max_iters, impl, tol)
 
 

@@ -20,6 +20,7 @@ import pytest
 from clusterkv_jax import aot
 from clusterkv_jax.cache import init_cache
 from clusterkv_jax.config import synthetic_config
+from clusterkv_jax.generate import cache_capacity
 from clusterkv_jax.policies import ClusterKV, FullKV, Quest
 
 # What these compile for an H100 or a TPU v5e is what users get: XLA's optimizations on (tests/conftest.py).
@@ -78,7 +79,7 @@ def _compile(policy, device, prefill=False, context=CONTEXT):
 
 def _host_bytes(policy, context=CONTEXT):
     """Bytes of the cache arrays that the real cache, built on this CPU, keeps in pinned_host memory."""
-    cache = init_cache(CONFIG, policy, BATCH, context + 64, jnp.bfloat16)
+    cache = init_cache(CONFIG, policy, BATCH, cache_capacity(context, 64), jnp.bfloat16)
     return sum(leaf.nbytes for leaf in jax.tree.leaves(cache) if leaf.sharding.memory_kind == "pinned_host")
 
 
@@ -94,10 +95,10 @@ def test_targets_are_an_sm90_gpu_and_a_v5e(target):
 AUTO_ON_SM90 = ("cluster_to_block_index",)
 
 
-def _no_store_copy(program, policy):
+def _no_store_copy(program, policy, device):
     """No copy of the selecting layers' whole store in a decode step (a `lax.cond` returning the store made XLA:GPU
     copy it on every layer of every step)."""
-    store = init_cache(CONFIG, policy, BATCH, CONTEXT + 64, jnp.bfloat16).groups[-1].store.k
+    store = aot.target_cache(CONFIG, policy, device=device, batch=BATCH, context=CONTEXT).groups[-1].store.k
     shape = f"{jnp.dtype(store.dtype).name.replace('bfloat16', 'bf16')}[{','.join(map(str, store.shape))}]"
     assert shape in program.hlo
     assert not re.search(re.escape(shape) + r"\{[^}]*\} copy\(", program.hlo)
@@ -129,10 +130,10 @@ def test_clusterkv_decode_and_prefill_compile_with_the_pallas_kernels(target, gq
                                                 target)
     assert programs["prefill"].kernels == _named(("centroid_update",), target)
     assert programs["decode"].host_argument_bytes == 0 and programs["decode"].host_buffers == 0
-    _no_store_copy(programs["decode"], policy)
+    _no_store_copy(programs["decode"], policy, target)
     auto = _compile(ClusterKV(budget=256, gqa=gqa), target)["decode"]
     assert auto.kernels == (AUTO_ON_SM90 if target.platform == "gpu" else programs["decode"].kernels)
-    _no_store_copy(auto, policy)
+    _no_store_copy(auto, policy, target)
     assert _compile(ClusterKV(budget=256, gqa=gqa, kernels="reference"), target)["decode"].kernels == ()
 
 

@@ -184,3 +184,47 @@ def test_import_adds_this_machines_cpu_flags_unless_told_otherwise():
     assert want.startswith(f"{user} {SCHEDULER}")
     assert _xla_flags_after_import({"XLA_FLAGS": user}) == want
     assert _xla_flags_after_import({"CLUSTERKV_KEEP_XLA_FLAGS": "1"}) == ""  # opted out: nothing added
+
+
+@pytest.mark.slow  # converts a checkpoint
+def test_rope_scaling_beside_rope_parameters_is_read_as_transformers_reads_it(tmp_path):
+    """A config.json with transformers 5's `rope_parameters` and also an older `rope_scaling` (yarn): loaded, the
+    yarn was silently ignored and the logits were up to 3.2 from HF's. transformers uses `rope_scaling` in place of
+    `rope_parameters`, with the top-level `rope_theta` (else 10,000); ours now reads the same RoPE, and a tiny random
+    Llama saved that way gives HF's logits."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from checkpoints_convert import convert_hf
+    from clusterkv_jax import FullKV, init_cache, prefill
+
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    for extra in ({}, {"rope_theta": 12345.0}):
+        hf = {**BASE, "max_position_embeddings": 128, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
+              "rope_scaling": dict(yarn), **extra}
+        ours = ModelConfig.from_hf_dict(hf)
+        path = tmp_path / f"config-{len(extra)}"
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(hf))
+        theirs = transformers.AutoConfig.from_pretrained(path).rope_parameters
+        assert (ours.rope_scaling.rope_type, ours.rope_scaling.factor, ours.rope_theta) == (
+            theirs["rope_type"], theirs["factor"], theirs["rope_theta"])
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hf")
+    saved = json.loads((tmp_path / "hf" / "config.json").read_text())
+    saved["rope_parameters"] = {"rope_type": "default", "rope_theta": 5e5}
+    saved["rope_scaling"] = dict(yarn)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(saved))
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    with pytest.warns(UserWarning, match="no tokenizer.json"):
+        convert_hf(tmp_path / "hf", tmp_path / "ours", dtype="float32")
+    model = load_model(tmp_path / "ours")
+    ids = np.random.default_rng(0).integers(0, 100, (1, 96))
+    with torch.no_grad():
+        want = hf_model(torch.tensor(ids)).logits.numpy()
+    cache = init_cache(model.config, FullKV(), 1, 128)
+    got, _ = prefill(model.params, ids, np.array([96], np.int32), cache, config=model.config, policy=FullKV(),
+                     all_logits=True)
+    np.testing.assert_allclose(np.asarray(got)[:, :96], want, atol=1e-4)

@@ -113,17 +113,18 @@ def test_either_layer_loop_over_either_parameter_layout_gives_the_same_logits():
     `model.unstack_layers`); elsewhere a `lax.scan` over the stacked ones, the form the HF comparisons check. On a
     tiny Gemma-3-like model (windowed layers with a RoPE base of their own among global ones; ClusterKV selecting
     after one full layer), all four combinations give the same prefill logits at every position and the same
-    logits in each of 6 decode steps, which cross ClusterKV's decode-time clustering."""
+    logits in each of 6 decode steps, which cross ClusterKV's decode-time clustering, and the same policy state."""
     from clusterkv_jax import ClusterKV, ModelConfig, kernels, model
 
-    config = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=7, num_heads=4,
+    config = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=10, num_heads=4,
                          num_kv_heads=2, head_dim=8, max_position_embeddings=512, sliding_window=16,
                          local_rope_theta=10000.0, rope_theta=1e6,
-                         layer_types=(["sliding_attention"] * 2 + ["full_attention"]) * 2 + ["sliding_attention"])
-    policy = ClusterKV(budget=24, sinks=4, tokens_per_cluster=8, decode_interval=4, decode_clusters=2, full_layers=1)
+                         layer_types=(["sliding_attention"] * 2 + ["full_attention"]) * 3 + ["sliding_attention"])
+    # Layers 0, 1, 3, 4, 6, 7 and 9 windowed, 2 full, 5 and 8 selecting.
+    policy = ClusterKV(budget=24, sinks=4, tokens_per_cluster=8, decode_interval=4, decode_clusters=2, full_layers=3)
     stacked = model.init_params(config, jax.random.key(3))
     per_layer = model.unstack_layers(stacked)
-    assert len(per_layer["layers"]) == 7 and per_layer["layers"][2]["q"].shape == stacked["layers"]["q"].shape[1:]
+    assert len(per_layer["layers"]) == 10 and per_layer["layers"][2]["q"].shape == stacked["layers"]["q"].shape[1:]
     np.testing.assert_array_equal(per_layer["layers"][2]["q"], stacked["layers"]["q"][2])
     ids = np.random.default_rng(0).integers(0, config.vocab_size, (1, 64))
     results = {}
@@ -138,8 +139,12 @@ def test_either_layer_loop_over_either_parameter_layout_gives_the_same_logits():
                 for token in range(6):
                     logits, cache = step(params, jnp.array([token]), cache)
                     out.append(np.asarray(logits))
-                results[loop, layout] = out
-    reference = results["scanned", "stacked"]
-    for key, out in results.items():
+                # A GPU's cache holds each layer in a group of its own; elsewhere one group per kind of layer.
+                assert len(cache.groups) == (10 if loop == "unrolled" else 3)
+                results[loop, layout] = out, jax.tree.leaves(jax.tree.map(np.asarray, cache.policy_state))
+    reference, reference_state = results["scanned", "stacked"]
+    for key, (out, state) in results.items():
         for got, want in zip(out, reference):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=str(key))
+        for got, want in zip(state, reference_state, strict=True):  # the selecting layers' states, in model order
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=str(key))

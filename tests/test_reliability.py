@@ -85,6 +85,11 @@ def test_unwritable_out_is_refused_before_any_work(tiny_model, tmp_path):
                    "--budgets", "16", "--out", str(blocker / "results"))
     assert_one_line_error(proc, "--out", "a_file")
     assert "recall" not in proc.stdout  # nothing was computed first
+    # Under /proc every permission check says yes to root; `eval ppl` ran 20 s, then failed without naming --out.
+    proc = run_cli("eval", "ppl", "--model", tiny_model, "--text", text, "--context", "64", "--eval-tokens", "16",
+                   "--budgets", "16", "--out", "/proc/clusterkv-results")
+    assert_one_line_error(proc, "cannot write results to --out '/proc/clusterkv-results'")
+    assert "ppl" not in proc.stdout and not os.path.exists("/proc/clusterkv-results")
 
 
 def test_outputs_never_write_over_inputs_or_into_directories(smollm2_converted_dir, tiny_model, tmp_path):
@@ -162,7 +167,7 @@ def test_generation_that_meets_non_finite_logits_stops_with_an_error():
 def test_library_arguments_of_the_wrong_kind_are_refused_by_name(tiny_model):
     """Each was accepted and quietly meant something else: top_k=2.5 (truncated), max_length=0 (the default),
     max_length=-1 ("a capacity of -1 positions"), dtype="float64" without x64 (float32), dtype="int8" (failed
-    later, in generate), cosine_kmeans(max_clusters=0) (ran)."""
+    later, in generate), cosine_kmeans(max_clusters=0) and (num_clusters=0) (ran)."""
     import jax
     import jax.numpy as jnp
 
@@ -190,6 +195,11 @@ def test_library_arguments_of_the_wrong_kind_are_refused_by_name(tiny_model):
     keys, valid = jnp.ones((1, 10, 4)), jnp.ones((1, 10), bool)
     with pytest.raises(ValueError, match="max_clusters must be a positive int"):
         cosine_kmeans(keys, valid, jnp.array([0]), problem_keys(jax.random.PRNGKey(0), 1), max_clusters=0)
+    for bad in ([0], [5]):
+        with pytest.raises(ValueError, match=r"num_clusters must be in \[1, max_clusters=4\]"):
+            cosine_kmeans(keys, valid, jnp.array(bad), problem_keys(jax.random.PRNGKey(0), 1), max_clusters=4)
+    result = cosine_kmeans(keys, valid, jnp.array([4]), problem_keys(jax.random.PRNGKey(0), 1), max_clusters=4)
+    assert int(result.sizes.sum()) == 10
 
 
 def test_text_inputs_that_are_devices_or_not_utf8(tiny_model, tmp_path):
@@ -599,6 +609,10 @@ def test_misleading_advice_is_gone(tiny_model, tmp_path):
                           "--document file 'nosuch.txt' does not exist")
     assert_one_line_error(run_cli("hf", src, "/proc/clusterkv-out", module="checkpoints_convert"),
                           "cannot write the destination '/proc/clusterkv-out'")
+    afile = tmp_path / "afile"  # a destination below a file said only "File exists"
+    afile.write_text("x")
+    assert_one_line_error(run_cli("hf", src, str(afile / "sub" / "out"), module="checkpoints_convert"),
+                          f"cannot write the destination '{afile / 'sub' / 'out'}': '{afile}' is a file, not a directory")
 
     # eval recall on a model whose layers all attend in full failed with "'NoneType' object has no attribute
     # 'token_recall'" after the work.
@@ -795,3 +809,29 @@ def test_ctrl_c_at_any_point_ends_with_one_line_and_130(tiny_model, tmp_path):
         else:
             assert code == 0 and (out / "params").is_dir(), (delay, code, err[-2000:])
         assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n], os.listdir(tmp_path)
+
+
+def test_the_per_step_summary_names_windowed_layers():
+    """The line after a generation ignored windows: Mistral with every layer windowed said ClusterKV "attends 32 ...
+    chosen by cluster ... in 2 of 4 layers" though its tokens equal full KV's; Gemma 3 with `--quest-full-layers 6`
+    said "attends all 161 ... in all 6 layers" though 5 of the 6 are windowed to 16. Counted here from the layers'
+    kinds in the cache `generate` builds."""
+    from clusterkv_jax import ClusterKV, FullKV, ModelConfig, Quest
+    from clusterkv_jax.commands import attended_per_step
+
+    tiny = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_heads=4, num_kv_heads=2, head_dim=8,
+                max_position_embeddings=4096, sliding_window=16)
+    mistral = ModelConfig(num_layers=4, layer_types=("sliding_attention",) * 4, **tiny)
+    line = attended_per_step(ClusterKV(budget=32, full_layers=2), mistral, 161, 16)
+    assert line == "attends the last 16 tokens in all 4 layers: every layer is windowed, so no layer selects"
+    gemma3 = ModelConfig(num_layers=12, layer_types=(("sliding_attention",) * 5 + ("full_attention",)) * 2, **tiny)
+    assert attended_per_step(Quest(budget=32, full_layers=6), gemma3, 161, 16) == (
+        "attends 32 of the 161 prompt tokens per step and the generated tokens not indexed yet, in 1 of 12 layers "
+        "(1 attend all); 10 windowed layers attend the last 16 tokens")
+    assert attended_per_step(FullKV(), gemma3, 161, 16) == (
+        "attends all 161 prompt tokens and every generated one, in 2 of 12 layers; 10 windowed layers attend the "
+        "last 16 tokens")
+    # Without windows, as before.
+    plain = ModelConfig(num_layers=4, **tiny)
+    assert attended_per_step(ClusterKV(budget=32, full_layers=2), plain, 161, 16).endswith(
+        "chosen by cluster and the generated tokens not clustered yet (at most 320), in 2 of 4 layers (the first 2 attend all)")

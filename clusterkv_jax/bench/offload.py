@@ -54,11 +54,13 @@ def bench_offload(model, token_ids: list[int], *, context: int, new_tokens: int,
         policy = ClusterKV(budget=budget, offload=True, recall_steps=R)
         out = generate(model, prompt, new_tokens, policy=policy, stop_at_eos=False, return_cache=True)
         rates = [r for r in hit_rates(out.cache) if r is not None]
-        recall = out.cache.selecting.store.recall
+        recalls = [g.store.recall for g in out.cache.selecting_groups]
+        fetched = sum(float(np.sum(r.fetched)) for r in recalls)
+        steps = max(int(np.max(r.step)) for r in recalls)
         results["runs"][f"R={R}"] = {
             "hit_rate": float(np.mean(rates)),
             "hit_rate_per_layer": rates,
-            "rows_fetched_per_step": float(np.sum(recall.fetched) / max(int(np.max(recall.step)), 1)),
+            "rows_fetched_per_step": fetched / max(steps, 1),
             "kv_bytes": kv_bytes(out.cache),
             "seconds": out.seconds,
         }
