@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
-from clusterkv_jax.checkpoint import TERMINATING_SIGNALS
+from clusterkv_jax.checkpoint import TERMINATING_SIGNALS, signals_held
 from clusterkv_jax.commands import interrupts_redelivered
 from clusterkv_jax.config import FAMILIES, ModelConfig, read_json_object
 from clusterkv_jax.model import param_shapes
@@ -203,7 +203,11 @@ def build_params(source: TensorSource, config: ModelConfig, dtype: np.dtype, des
     tree_shapes = param_shapes(config)
     params: dict[str, Any] = {}
     reads = sum(len(_hf_names(s, config)) for s in sources)  # a fused tensor is read once per leaf it feeds
-    with tqdm(total=reads, desc=desc, unit="tensor", leave=False) as bar:
+    # Built with signals held: a SIGQUIT inside tqdm's constructor (CI) left a half-built bar whose __del__ printed an
+    # AttributeError traceback while the conversion ended.
+    with signals_held():
+        bar = tqdm(total=reads, desc=desc, unit="tensor", leave=False)
+    with bar:
         for s in sources:
             node, key = params, s.path[-1]
             for part in s.path[:-1]:

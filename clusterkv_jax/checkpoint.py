@@ -47,7 +47,7 @@ def save_params(path: str | os.PathLike, params: Any, axes: Any = None) -> str:
         args = jax.tree.map(save_args, axes, is_leaf=lambda x: isinstance(x, tuple))
     # Orbax writes from background threads: stopped half way by Ctrl-C or SIGTERM (SIGHUP, SIGQUIT), they would go
     # on writing into a directory the caller is deleting. So the signals wait until the save has finished (seconds).
-    with _signals_held(), ocp.StandardCheckpointer() as checkpointer:
+    with signals_held(), ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(path, params, save_args=args)
         # Saving is asynchronous; the checkpoint is only complete once this returns.
         checkpointer.wait_until_finished()
@@ -55,9 +55,10 @@ def save_params(path: str | os.PathLike, params: Any, axes: Any = None) -> str:
 
 
 @contextlib.contextmanager
-def _signals_held():
+def signals_held():
     """SIGINT, SIGTERM, SIGHUP and SIGQUIT arriving inside the block are delivered when it ends (to the handlers in
-    place before it), so whatever the block starts has finished first. Main thread only (elsewhere: no-op)."""
+    place before it), so whatever the block starts has finished first: a save, or a constructor an exception must
+    not leave half done. Main thread only (elsewhere: no-op)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
