@@ -113,6 +113,17 @@ def is_multiprocess() -> bool:
     return jax.process_count() > 1
 
 
+def agreed(value: int) -> int:
+    """Process 0's `value` on every process where JAX runs several (a broadcast: every process must call it at the
+    same point); `value` itself in one process. For a decision a process makes from its own clock, which must be the
+    same everywhere: a different number of calls to a program holding collectives leaves the peers waiting forever."""
+    if jax.process_count() == 1:
+        return int(value)
+    from jax.experimental import multihost_utils
+
+    return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
+
+
 def to_host(tree: Any) -> Any:
     """Every array of `tree` as one numpy array on every process (a global array's shards of all processes
     gathered; a local array as it is)."""

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from clusterkv_jax import sharding as sh
 from clusterkv_jax.cache import KVCache, init_cache
 from clusterkv_jax.config import ModelConfig
-from clusterkv_jax.distributed import to_host
+from clusterkv_jax.distributed import agreed, to_host
 from clusterkv_jax.model import PREFILL_BLOCK, forward_decode, forward_prefill
 from clusterkv_jax.ops import sharded_trace
 from clusterkv_jax.policies import FullKV, KVPolicy
@@ -291,8 +291,10 @@ def decode_in_chunks(params, loop: DecodeLoop, sampling: Sampling, eos_ids, pad_
             on_chunk(out, counts)
         if reached < target or reached >= max_new_tokens or bool(np.all(done)) or nonfinite >= 0:
             return loop  # the call queued last found nothing left to do
-        # Steps that fill `seconds` at the rate just seen, at most 4x the last chunk.
-        chunk = max(1, min(4 * chunk, int(seconds * (reached - step) / max(now - last, 1e-9))))
+        # Steps that fill `seconds` at the rate just seen, at most 4x the last chunk; with several processes, process
+        # 0's count, so every process queues the same calls (each deciding by its own clock, the two processes of
+        # tests/test_multiprocess.py sometimes queued different numbers of calls and waited in a collective forever).
+        chunk = agreed(max(1, min(4 * chunk, int(seconds * (reached - step) / max(now - last, 1e-9)))))
         step, target, last = int(reached), ahead, now
 
 
