@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import signal
@@ -209,7 +210,7 @@ def prepare_mesh(args) -> None:
     part of the mesh's devices) or asks for D*M CPU devices, and refuses a mesh whose copies of the parameters would
     not fit this machine's memory."""
     from clusterkv_jax import sharding
-    from clusterkv_jax.distributed import NUM_PROCESSES_ENV, _env_int, initialize, native_output_to_stderr
+    from clusterkv_jax.distributed import NUM_PROCESSES_ENV, _env_int, agree, initialize, native_output_to_stderr
 
     if not args.distributed:
         given = [flag for flag in ("--coordinator", "--num-processes", "--process-id")
@@ -231,9 +232,69 @@ def prepare_mesh(args) -> None:
         initialize(args.coordinator, args.num_processes, args.process_id,
                    local_cpu_devices=devices // processes if processes else None, timeout=args.distributed_timeout,
                    timeout_prefix="clusterkv: error: ", timeout_exit_code=2)
+        agree(run_description(args), timeout=args.distributed_timeout)
     else:
         sharding.request_host_devices(args.mesh)  # on CPU: data*model host devices (before JAX starts)
     sharding.check_mesh_for_model(args.mesh, args.model, args.dtype)
+
+
+#: Arguments that may differ between the processes of one run: where each finds the others, and where each
+#: writes (each process may write its own copy of the results).
+PER_PROCESS_ARGS = frozenset({"process_id", "coordinator", "distributed_timeout", "out", "json", "debug"})
+#: A file larger than this is described by its size alone (a text that large is refused anyway, MAX_TEXT_BYTES).
+_HASHED_BYTES = 64 << 20
+
+
+def _digest_path(path: str) -> str:
+    """A digest of what a process reads at `path`: a file's bytes, or a directory's files (each one's relative
+    path and size, and the bytes of the small ones: configs, tokenizer, checkpoint metadata). Two copies of one
+    converted checkpoint agree; a different model, or a copy with a missing or truncated file, does not. (A
+    flipped byte inside a large array file keeps its size: not seen here.)"""
+    import hashlib
+
+    digest = hashlib.sha256()
+
+    def add_file(full: str, name: str) -> None:
+        size = os.path.getsize(full)
+        digest.update(f"{name}\0{size}\0".encode())
+        if size <= (_HASHED_BYTES if name == "" else 1 << 20):
+            with open(full, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+
+    if os.path.isdir(path):
+        for root, dirs, files in os.walk(path):
+            dirs.sort()
+            for name in sorted(files):
+                full = os.path.join(root, name)
+                add_file(full, os.path.relpath(full, path))
+    elif os.path.isfile(path):
+        add_file(path, "")
+    else:
+        return "(missing)"
+    return digest.hexdigest()[:16]
+
+
+def _arg_flag(dest: str) -> str:
+    for name, _, field in _policy_fields():
+        if _dest(name, field) == dest:
+            return _flag(name, field)
+    return "--" + dest.replace("_", "-")
+
+
+def run_description(args) -> dict[str, str]:
+    """What must be alike on every process of a --distributed run: each command-line argument by its flag (the
+    ones in PER_PROCESS_ARGS aside), the input files and directories by a digest of what they hold (their paths
+    may differ from host to host), and the command."""
+    described = {}
+    for dest, value in sorted(vars(args).items()):
+        if dest in PER_PROCESS_ARGS or callable(value):
+            continue
+        if dest in INPUT_ARGS and isinstance(value, str):
+            described[INPUT_ARGS[dest]] = f"contents {_digest_path(value)}"
+        elif isinstance(value, (str, int, float, bool, type(None), list, tuple)):
+            described[_arg_flag(dest)] = json.dumps(value)
+    return described
 
 
 def model_and_text(args):

@@ -14,6 +14,7 @@ TPU), which needs none of them.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
@@ -98,6 +99,44 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         raise
     finally:
         joined.set()
+
+
+#: The key under which each process describes its run in the coordination service's key-value store.
+_RUN_KEY = "clusterkv/run/{}"
+
+
+def agree(description: dict[str, str], timeout: float) -> None:
+    """Checks that every process describes its run alike, before any collective: each process puts its
+    `description` ({what: value}, e.g. each command-line argument) into the coordination service's key-value store
+    and reads every other process's, waiting at most `timeout` seconds for each. Raises ValueError naming the
+    first process and the entries that differ from this one's, on every process whose run differs (so on all of
+    them: each compares itself with every other), or naming a process that described nothing in time. A collective
+    started with different meshes, programs or shapes waits forever or aborts the process from C++; this is a key
+    lookup with a deadline. Call after `initialize`; a single process returns at once."""
+    from jax._src import distributed as jax_distributed
+
+    state = jax_distributed.global_state
+    client, me, count = state.client, state.process_id, state.num_processes
+    if client is None or count <= 1:
+        return
+    client.key_value_set(_RUN_KEY.format(me), json.dumps(description, sort_keys=True))
+    for other in range(count):
+        if other == me:
+            continue
+        try:
+            theirs = json.loads(client.blocking_key_value_get(_RUN_KEY.format(other), max(1, int(timeout * 1000))))
+        except Exception as error:  # the runtime raises its own error type on a deadline
+            if "DEADLINE" not in str(error).upper() and "TIMED OUT" not in str(error).upper():
+                raise
+            raise ValueError(f"process {other} did not describe its run within {timeout:g} s (this is process "
+                             f"{me}); is it running this same command?") from None
+        differ = [key for key in sorted(set(description) | set(theirs)) if description.get(key) != theirs.get(key)]
+        if differ:
+            shown = "; ".join(f"{key}: {theirs.get(key, '(not given)')} there, {description.get(key, '(not given)')} "
+                              "here" for key in differ[:3])
+            more = f" (and {len(differ) - 3} more)" if len(differ) > 3 else ""
+            raise ValueError(f"process {other} was not started with the same command as this process {me}: "
+                             f"{shown}{more}; run the same command, with the same inputs, on every process")
 
 
 def native_output_to_stderr() -> None:

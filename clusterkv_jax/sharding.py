@@ -153,20 +153,42 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def check_host_replicas_fit(spec, param_bytes: int, available: int | None = None) -> None:
-    """On CPU the mesh's devices share this machine's memory, and the parameters are replicated over "data"
-    (the loaded copy besides): refuse a mesh whose copies would not fit in the memory available now, rather
-    than be OOM-killed half way through placing them. Call after JAX has started, for CPU devices only."""
+def check_host_replicas_fit(spec, param_bytes: int, available: int | None = None,
+                            held_bytes: int | None = None) -> None:
+    """On CPU the mesh's devices share this machine's memory: refuse a mesh whose parameters would not fit in the
+    memory available now (the loaded copy besides), rather than be OOM-killed half way through placing them.
+    `held_bytes`: what this process's devices of the mesh would hold (`held_param_bytes`); default the "data"
+    axis's copies alone. A model axis that does not divide the heads or the MLP width leaves those weights whole on
+    every one of its devices. Call after JAX has started, for CPU devices only."""
     sizes = parse_mesh(spec)
     available = available_memory_bytes() if available is None else available
-    need = param_bytes * (sizes["data"] + 1)
+    held = param_bytes * sizes["data"] if held_bytes is None else held_bytes
+    need = held + param_bytes
     if available is not None and need > 0.9 * available:
         gb = lambda n: f"{n / 1e9:.1f} GB"  # noqa: E731
+        copies = held / param_bytes if param_bytes else 0.0
+        hint = ("use a smaller data axis" if held <= 1.01 * param_bytes * sizes["data"] else
+                f"use a smaller model axis (one that divides the model's heads and MLP width splits them instead "
+                f"of copying them to each of its {sizes['model']} devices) or a smaller data axis")
         raise ValueError(
-            f"mesh data={sizes['data']},model={sizes['model']} on CPU would hold {sizes['data']} copies of the "
+            f"mesh data={sizes['data']},model={sizes['model']} on CPU would hold {copies:.1f} copies of the "
             f"{gb(param_bytes)} parameters plus the loaded one ({gb(need)}) in this machine's memory, "
-            f"{gb(available)} available: use a smaller data axis"
+            f"{gb(available)} available: {hint}"
         )
+
+
+def held_param_bytes(config, dtype, spec) -> int:
+    """Bytes of `config`'s parameters in `dtype` that this process's devices of the mesh `spec` hold, each device
+    its shard of every array (a whole copy of an array the mesh does not split)."""
+    from clusterkv_jax.model import param_shapes
+
+    mesh = make_mesh(spec)
+    local = sum(1 for d in mesh.devices.flat if d.process_index == jax.process_index())
+    shapes = jax.tree_util.tree_leaves(param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))
+    shardings = jax.tree_util.tree_leaves(param_shardings(config, mesh))
+    itemsize = np.dtype(dtype).itemsize
+    return local * itemsize * sum(math.prod(sharding.shard_shape(shape))
+                                  for shape, sharding in zip(shapes, shardings, strict=True))
 
 
 def param_bytes(config, dtype) -> int:
@@ -188,7 +210,7 @@ def check_mesh_for_model(spec, model_dir: str, dtype) -> None:
     if dtype is None:
         stored = read_json_object(os.path.join(model_dir, "config.json")).get("clusterkv")
         dtype = stored.get("dtype", "float32") if isinstance(stored, dict) else "float32"
-    check_host_replicas_fit(spec, param_bytes(config, dtype))
+    check_host_replicas_fit(spec, param_bytes(config, dtype), held_bytes=held_param_bytes(config, dtype, spec))
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from clusterkv_jax import ClusterKV, FullKV, InfiniGen, Quest, SnapKV, generate
 from clusterkv_jax import sharding as sh
 from clusterkv_jax.config import ModelConfig
+from clusterkv_jax.distributed import held_bytes
 from clusterkv_jax.generate import Sampling, decode_step, generate_ids, prefill
 from clusterkv_jax.loading import Model
 from clusterkv_jax.model import init_params, unstack_layers
@@ -246,6 +247,14 @@ def main(out_path: str) -> None:
             res["fallback"][name]["host_k"] = _sharding_report(
                 c.selecting.store.k, named(None, "data", None, None, None, kind="pinned_host"))
             res["fallback"][name]["centroids"] = _sharding_report(c.policy_state.centroids, named(None, "data"))
+
+    # What --mesh's memory check counts (sharding.held_param_bytes) against what placing the parameters holds on
+    # the devices, with the heads split over "model" and with them copied to each of its devices (3 KV heads).
+    res["held_param_bytes"] = {
+        name: {"counted": sh.held_param_bytes(cfg, np.asarray(m.params["embed"]).dtype, MESH_SPEC),
+               "placed": held_bytes(placed)["with_copies"], "whole": held_bytes(placed)["whole"]}
+        for name, cfg, m in (("split", CFG, model), ("heads_copied", CFG_3KV, model3))
+        for placed in [sh.shard_params(m.params, cfg, mesh)]}
 
     section("fallback")
     res["seconds"] = time.perf_counter() - t0

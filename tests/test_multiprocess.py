@@ -187,6 +187,61 @@ def test_a_peer_that_never_joins_ends_with_one_line(tiny, process_id):
     assert_one_line_error(r, f"process {process_id} of 2: not every process joined", "within 3 s")
 
 
+def test_processes_started_with_different_commands_each_name_the_difference(tiny, tmp_path):
+    """Two processes of one run given different meshes, prompts or checkpoints once hung in a collective, aborted
+    with a C++ stack trace (gloo's "collective mismatch") or generated from different models without a word. Now
+    each describes its run to the coordinator before any collective, and every process names what differs, in
+    seconds."""
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny, other)
+    config = other / "config.json"
+    config.write_text(config.read_text(encoding="utf-8").replace("}", ', "comment": "edited"}', 1), encoding="utf-8")
+    cli = [sys.executable, "-m", "clusterkv_jax.cli", "generate", "--max-new-tokens", "2", "--distributed-timeout",
+           "60"]
+    runs = (
+        (["--model", tiny, "--prompt", "word", "--mesh", "data=2"], ["--model", tiny, "--prompt", "word", "--mesh",
+                                                                       "data=1,model=2"], '--mesh: "data'),
+        (["--model", tiny, "--prompt", "word", "--mesh", "data=2"], ["--model", tiny, "--prompt", "other words",
+                                                                       "--mesh", "data=2"], '--prompt: "'),
+        (["--model", tiny, "--prompt", "word", "--mesh", "data=2"], ["--model", str(other), "--prompt", "word",
+                                                                       "--mesh", "data=2"], "--model: contents"),
+    )
+    for first, second, named in runs:
+        port = free_port()
+        start = time.monotonic()
+        pair = run_together([cli + args + distributed(i, port) for i, args in enumerate((first, second))],
+                            env_with_devices(1), limit=120)
+        assert time.monotonic() - start < 60
+        for i, r in enumerate(pair):
+            assert_one_line_error(r, f"process {1 - i} was not started with the same command as this process {i}",
+                                  named)
+
+
+def test_what_the_processes_of_a_run_compare():
+    """The run's description: the inputs by their contents, not their paths; where each process writes, not."""
+    import argparse
+
+    from clusterkv_jax.commands import run_description
+
+    def described(tmp, prompt_text, out):
+        os.makedirs(tmp, exist_ok=True)
+        path = os.path.join(tmp, "prompt.txt")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(prompt_text)
+        return run_description(argparse.Namespace(prompt_file=path, mesh="data=2", out=out, process_id=int(out[-1]),
+                                                   policy__clusterkv__sinks=4, run=print))
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
+        here = described(a, "the same words", "out0")
+        assert described(b, "the same words", "out1") == here
+        assert described(b, "other words", "out1")["--prompt-file"] != here["--prompt-file"]
+        assert here["--sinks"] == "4" and here["--mesh"] == '"data=2"' and "--out" not in here
+
+
 def test_distributed_flags_are_checked_before_anything_starts(tiny):
     cli = [sys.executable, "-m", "clusterkv_jax.cli", "generate", "--model", tiny, "--prompt", "word"]
     for extra, message in ((["--process-id", "1"], "--process-id needs --distributed"),

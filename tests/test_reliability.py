@@ -236,6 +236,10 @@ def test_mesh_larger_than_the_machine_is_refused_before_placing_parameters(smoll
     with pytest.raises(ValueError, match="use a smaller data axis"):
         check_host_replicas_fit("data=100", param_bytes=540_000_000, available=24_000_000_000)
     check_host_replicas_fit("data=2,model=2", param_bytes=540_000_000, available=24_000_000_000)
+    # model=64 over heads it cannot split: 27 copies' worth held (SmolLM2: 14.4 GB, counted by held_param_bytes).
+    with pytest.raises(ValueError, match="use a smaller model axis"):
+        check_host_replicas_fit("model=64", param_bytes=540_000_000, available=12_000_000_000,
+                                held_bytes=14_400_000_000)
     if available_memory_bytes() is None or available_memory_bytes() > 100 * 540e6:
         pytest.skip("this machine has the memory for 100 replicas")
     proc = run_cli("generate", "--model", smollm2_converted_dir, "--prompt", "hi", "--mesh", "data=100",

@@ -116,6 +116,16 @@ def test_heads_not_dividing_model_axis_fall_back_to_replicated(report, policy):
     assert not bad
 
 
+def test_the_mesh_memory_check_counts_what_placing_holds(report):
+    """`--mesh`'s memory check on CPU (sharding.held_param_bytes) counts the bytes the placed parameters hold on
+    the devices, also where the heads do not divide "model" and are copied to each of its devices (`--mesh
+    model=64` once filled 15 GB unchecked: only the "data" copies were counted)."""
+    for name, got in report["held_param_bytes"].items():
+        assert got["counted"] == got["placed"], name
+    copies = {name: got["placed"] / got["whole"] for name, got in report["held_param_bytes"].items()}
+    assert copies["heads_copied"] > copies["split"], copies
+
+
 # --------------------------------------------------------------------------------------------------
 # Mesh specs (this process: one device)
 # --------------------------------------------------------------------------------------------------
