@@ -304,7 +304,7 @@ def attend_selected(policy, state, q: jax.Array, view, lengths: jax.Array, promp
     kernel has no soft-capping: capped scores take the other ways."""
     S = view.positions
     with jax.named_scope("select"):
-        keys = view.keys() if policy.reads_all_keys else None
+        keys = view.keys() if policy.reads_all_keys else view.key_blocks if policy.reads_key_blocks else None
         selection = policy.select(state, q, keys, lengths, prompt_lengths)
     W = policy.window_size(S)
     start = policy.window_start(state, lengths, prompt_lengths) if W else None

@@ -461,7 +461,10 @@ def attended_per_step(policy, config, prompt_length: int, max_new_tokens: int = 
         later = "and every generated token"
     else:
         later = "and the generated tokens not indexed yet"
-    how = " chosen by cluster" if policy.name == "clusterkv" else ""
+    how = ""
+    if policy.name == "clusterkv":
+        how = (f" chosen by q·k among the tokens of the top clusters ({policy.token_refine}x B)"
+               if policy.token_refine > 1 else " chosen by cluster")
     return f"attends {budget} of the {prompt_length} prompt tokens per step{how} {later}, {layers}{windows}"
 
 

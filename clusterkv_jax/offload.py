@@ -403,6 +403,15 @@ class HostLayer(LayerView):
         return tuple(x[:, :, :rows].at[:, :, :W].set(at(ring)) if rows > W else at(ring)[:, :, :rows]
                      for x, ring in ((self.keys(), self.store.ring_k), (self.values(), self.store.ring_v)))
 
+    def key_blocks(self, starts, chunk):
+        # The blocks a policy scores lie past the device ring's rows (a ClusterKV window is never a candidate).
+        B, K, n = starts.shape
+        safe = jnp.clip(starts, 0, self.store.capacity - chunk)
+        index = to_host(row_index(safe, self.index))
+        keys = _on_host(lambda store: gather_rows(store, index, mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS,
+                                                  chunk=chunk, aligned=True), self.store.k)
+        return to_device(keys)
+
     def host_gather(self, starts, chunk: int, aligned: bool = False):
         """Host chunks of `chunk` rows from starts [B, h, n] (head n reads KV head n // (h // K); `aligned`: as
         `Selection.aligned`) -> device [B, h, n, chunk, H]."""

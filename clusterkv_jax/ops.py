@@ -84,6 +84,31 @@ def top_k_indices(x: jax.Array, k: int) -> jax.Array:
     return jnp.argsort(-x, axis=-1, stable=True)[..., :k].astype(jnp.int32)
 
 
+#: Bisection steps of `top_mask`: the threshold's interval shrinks to 2^-16 of the scores' range.
+TOP_MASK_STEPS = 16
+
+
+def top_mask(x: jax.Array, k: int, steps: int = TOP_MASK_STEPS) -> jax.Array:
+    """A mask of about the k largest finite entries along the last axis: those at or above a threshold found by
+    bisection between the row's smallest and largest finite entry (`steps` halvings), the lowest threshold seen
+    with at least k entries at or above it. All finite entries where a row has at most k; otherwise at least k,
+    the ones past k within 2^-steps of the range below the k-th largest (a caller packing them into k slots drops
+    those). A few passes of compare-and-count: on XLA:CPU a top_k of half a row costs several times more, and a
+    mask needs no order (docs/research_log.md)."""
+    finite = jnp.isfinite(x)
+    lo = jnp.min(jnp.where(finite, x, jnp.inf), axis=-1, keepdims=True)
+    hi = jnp.max(jnp.where(finite, x, -jnp.inf), axis=-1, keepdims=True)
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo) / 2
+        enough = jnp.sum(x >= mid, axis=-1, keepdims=True) >= k
+        return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
+
+    lo, _ = jax.lax.fori_loop(0, steps, halve, (lo, hi))
+    return finite & (x >= lo)
+
+
 # --------------------------------------------------------------------------------------------------------
 # Rows of a KV store: [L, B, K, S, H] (addressed by layer and position) or [B, K, S, H] (by position), with
 # B and K as gather / scatter batching dims. Nothing is reshaped across B or K, so under a mesh (B on "data",

@@ -20,6 +20,7 @@ The protocol (`layer` is the layer's index inside the group, a traced int):
                                                 (`ops.row_index`: layer, row; out of range: dropped)
     view = store.layer(layer)                   one layer, as attention reads it:
         view.keys(), view.values()              [B, K, R, H] every row as stored, on the device
+        view.key_blocks(starts, chunk)          keys [B, K, n, chunk, H] of whole blocks from starts [B, K, n]
         view.read_all(n) -> (k, v)              rows [0, n) [B, K, n, H], each with the token it holds now (a host
                                                 store's ring rows from the device ring)
         view.read(selection) -> (k, v, mask, view)
@@ -92,6 +93,11 @@ class LayerView:
     store: KVStore
     index: jax.Array  # [] int32 the layer inside the store's group
     positions: int  # S, the cache's capacity in positions (the store may have more rows than positions)
+
+    def key_blocks(self, starts: jax.Array, chunk: int) -> jax.Array:
+        """Keys of blocks of `chunk` rows from starts [B, K, n] (each a multiple of `chunk`; a KV head's own
+        blocks) -> [B, K, n, chunk, H], on the device: what a policy that `reads_key_blocks` scores."""
+        raise NotImplementedError
 
     def read_all(self, rows: int):
         """(k, v) [B, K, rows, H] of rows [0, rows), each with the token it holds now."""
@@ -168,6 +174,11 @@ class DeviceLayer(LayerView):
 
     def values(self) -> jax.Array:
         return jax.lax.dynamic_index_in_dim(self.store.v, self.index, keepdims=False)
+
+    def key_blocks(self, starts, chunk):
+        # Slices of `chunk` rows, not the store viewed as blocks (`aligned`): on a TPU that view of the stacked
+        # store is a relayout, a copy of every layer's keys (338 MB at 32k, 4 layers of Llama-3-8B geometry).
+        return gather_rows(self.store.k, row_index(starts, self.index), chunk=chunk)
 
     @jax.named_scope("gather")
     def read(self, selection: Selection):

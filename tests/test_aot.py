@@ -137,6 +137,18 @@ def test_clusterkv_decode_and_prefill_compile_with_the_pallas_kernels(target, gq
     assert _compile(ClusterKV(budget=256, gqa=gqa, kernels="reference"), target)["decode"].kernels == ()
 
 
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offloaded"])
+def test_token_refined_decode_compiles_and_reads_its_candidates_in_place(target, offload):
+    """token_refine reads its candidates' keys block by block (`key_blocks`): from a device store where it lies (no
+    copy of the layer's keys), from a host store as rows reaching the device."""
+    policy = ClusterKV(budget=256, token_refine=4, offload=offload)
+    decode = _compile(policy, target)["decode"]
+    if offload:
+        assert decode.host_argument_bytes == _host_bytes(policy)
+    else:
+        _no_store_copy(decode, policy, target)
+
+
 @pytest.mark.parametrize("policy", [ClusterKV(budget=256, offload=True), Quest(budget=256, offload=True),
                                     FullKV(offload=True)], ids=["clusterkv", "quest", "full"])
 def test_offloaded_decode_compiles_with_the_store_in_pinned_host_memory(target, policy):

@@ -608,18 +608,23 @@ def test_density_scores_equal_numpy(gqa):
     assert _layer_state(run(ClusterKV(budget=64, **SMALL), TOKENS, LENGTHS, steps=0)[1], 2).variances.shape[-2] == 0
 
 
+def _refined_selection_problem(**options):
+    """(policy, cache, layer 3's state, its keys by position [B, K, S, H], queries [B, N, H], lengths) for a refined
+    selection of 36 tokens past 4 sinks out of clusters of about 32 tokens in 8-row blocks."""
+    small = dict(sinks=4, tokens_per_cluster=32, decode_interval=16, decode_clusters=2, block_size=8)
+    policy = ClusterKV(budget=40, **small, **options)
+    _, cache = run(policy, TOKENS, LENGTHS, steps=0)
+    state = _layer_state(cache, 3)
+    q = np.asarray(jax.random.normal(jax.random.PRNGKey(1), (3, CFG.num_heads, CFG.head_dim)))
+    return policy, cache, state, _keys_by_position(cache, 3, state), q, jnp.asarray(LENGTHS)
+
+
 @pytest.mark.parametrize("gqa", ["per_head", "shared"])
 def test_block_refine_selects_what_a_numpy_walk_selects(gqa):
     """block_refine=2: NumPy takes clusters by q·μ until twice the budget (the last trimmed to its first rows),
     scores each of their blocks by q·(mean of the keys the block holds), and takes blocks until the budget (the
     last trimmed): the same positions as the policy, sinks aside."""
-    small = dict(sinks=4, tokens_per_cluster=32, decode_interval=16, decode_clusters=2, block_size=8)
-    policy = ClusterKV(budget=40, block_refine=2, gqa=gqa, **small)
-    _, cache = run(policy, TOKENS, LENGTHS, steps=0)
-    state = _layer_state(cache, 3)
-    keys = _keys_by_position(cache, 3, state)
-    q = np.asarray(jax.random.normal(jax.random.PRNGKey(1), (3, CFG.num_heads, CFG.head_dim)))
-    lengths = jnp.asarray(LENGTHS)
+    policy, cache, state, keys, q, lengths = _refined_selection_problem(block_refine=2, gqa=gqa)
     idx, mask = policy.selected_positions(state, jnp.asarray(q), None, lengths, lengths)
     idx, mask = np.asarray(idx), np.asarray(mask)
     G, bs, tokens = CFG.num_heads // CFG.num_kv_heads, 8, 36
@@ -656,3 +661,46 @@ def test_block_refine_selects_what_a_numpy_walk_selects(gqa):
             chosen = set(idx[b, n][mask[b, n]].tolist()) - set(range(4))
             assert chosen == want, (b, n)
             assert len(chosen) == min(tokens, L - 4)
+
+
+@pytest.mark.parametrize("gqa", ["per_head", "shared"])
+def test_token_refine_selects_what_a_numpy_walk_selects(gqa):
+    """token_refine=2: NumPy ranks a KV head's clusters by its query heads' summed q·μ, takes them until twice
+    the budget (the last trimmed to its first rows), and keeps each query head's best tokens of those by q·k (the
+    summed queries' for gqa "shared"): the same positions as the policy, sinks aside, whether the keys are read
+    from the store's rows (the decode step) or by position (the recall evaluation)."""
+    policy, cache, state, keys, q, lengths = _refined_selection_problem(token_refine=2, gqa=gqa)
+    idx, mask = policy.selected_positions(state, jnp.asarray(q), jnp.asarray(keys), lengths, lengths)
+    idx, mask = np.asarray(idx), np.asarray(mask)
+    group, i = cache.group_of(3)
+    view = group.store.layer(jnp.int32(i), cache.capacity)
+    in_step = policy.select(state, jnp.asarray(q), view.key_blocks, lengths, lengths)
+    step_idx = np.asarray(policy.selection_positions(state, in_step))
+    step_mask = np.asarray(in_step.flat_mask())
+    G, bs, tokens = CFG.num_heads // CFG.num_kv_heads, 8, 36
+    pos = np.asarray(state.row_positions)
+    for b, L in enumerate(LENGTHS):
+        for n in range(CFG.num_heads if gqa == "per_head" else CFG.num_kv_heads):  # the selection's heads
+            h = n // G if gqa == "per_head" else n
+            summed = q[b, h * G:(h + 1) * G].sum(0)
+            qn = summed if gqa == "shared" else q[b, n]
+            sizes, starts = np.asarray(state.sizes[b, h]), np.asarray(state.block_start[b, h])
+            cent = np.asarray(state.centroids[b, h])
+            clusters = sorted(np.flatnonzero(sizes), key=lambda c: (-float(summed @ cent[c]), c))
+            candidates, left = [], 2 * tokens
+            for c in clusters:
+                take = min(int(sizes[c]), left)
+                candidates += [int(p) for p in pos[b, h, starts[c] * bs:starts[c] * bs + take]]
+                left -= take
+                if left == 0:
+                    break
+            best = sorted(candidates, key=lambda p: -float(qn.astype(np.float64) @ keys[b, h, p]))[:tokens]
+            chosen = set(idx[b, n][mask[b, n]].tolist()) - set(range(4))
+            assert chosen == set(best), (b, n)
+            assert len(chosen) == min(tokens, L - 4)
+            assert set(step_idx[b, n][step_mask[b, n]].tolist()) - set(range(4)) == chosen
+
+
+def test_refining_by_tokens_and_by_blocks_at_once_is_refused():
+    with pytest.raises(ValueError, match="not both"):
+        ClusterKV(token_refine=2, block_refine=2)

@@ -45,6 +45,8 @@ POLICIES = {
     "clusterkv": lambda **kw: ClusterKV(budget=48, **SMALL, **kw),
     "clusterkv_shared_R2": lambda **kw: ClusterKV(budget=48, gqa="shared", recall_steps=2, **SMALL, **kw),
     "quest": lambda **kw: Quest(budget=48, page_size=8, **kw),
+    # Candidates' keys read from host memory (`HostLayer.key_blocks`), then rows selected.
+    "clusterkv_token_refine": lambda **kw: ClusterKV(budget=48, token_refine=2, **SMALL, **kw),
     # A budget covering the capacity: every step attends the whole layer, the window's tokens from the device ring.
     "clusterkv_covering": lambda **kw: ClusterKV(budget=512, **SMALL, **kw),
 }

@@ -839,3 +839,5 @@ def test_the_per_step_summary_names_windowed_layers():
     plain = ModelConfig(num_layers=4, **tiny)
     assert attended_per_step(ClusterKV(budget=32, full_layers=2), plain, 161, 16).endswith(
         "chosen by cluster and the generated tokens not clustered yet (at most 320), in 2 of 4 layers (the first 2 attend all)")
+    assert "chosen by q·k among the tokens of the top clusters (4x B) and" in attended_per_step(
+        ClusterKV(budget=32, token_refine=4), plain, 161, 16)

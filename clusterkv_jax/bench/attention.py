@@ -92,11 +92,17 @@ def bench_attention(config: ModelConfig, policies: dict[str, KVPolicy], contexts
                 p, s, q, st.layer(jnp.int32(0), capacity), n, n)), donate_argnums=(0, 2))
             given = jax.jit(lambda s, q, st, n, sel, p=policy: _output_state_and_store(decode_selecting(
                 _given_selection(p, sel), s, q, st.layer(jnp.int32(0), capacity), n, n)), donate_argnums=(0, 2))
-            keys = k if policy.reads_all_keys else None
-            select = compiled(jax.jit(lambda s, q, k, n, p=policy: p.select(s, q, k, n, n)), lay, q, keys,
-                              lengths)[0]
-            selection = select(lay, q, keys, lengths)  # what the given step is handed
             copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731  (each call donates its own)
+            # What `select` reads of the keys: all of them (by position), blocks of its own store, or none.
+            keys = k if policy.reads_all_keys else copy(store) if policy.reads_key_blocks else None
+
+            def select_call(s, q, k, n, p=policy):
+                if p.reads_key_blocks:
+                    k = k.layer(jnp.int32(0), capacity).key_blocks
+                return p.select(s, q, k, n, n)
+
+            select = compiled(jax.jit(select_call), lay, q, keys, lengths)[0]
+            selection = select(lay, q, keys, lengths)  # what the given step is handed
             state_2, store_2, state = copy(lay), copy(store), copy(lay)  # `lay` stays for the select timing
             calls[name] = (_Donating(compiled(attend, state, q, store, lengths)[0], state, store), (q, lengths))
             calls[f"{name} given"] = (_Donating(compiled(given, state_2, q, store_2, lengths, selection)[0],

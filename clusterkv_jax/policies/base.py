@@ -76,6 +76,9 @@ class KVPolicy:
     #: `select` scores every cached key (it gets the layer's keys [B, K, S, H]; others get None). Such a policy
     #: cannot offload: it would read the whole host store every step.
     reads_all_keys: ClassVar[bool] = False
+    #: `select` scores some blocks of keys exactly: it gets a function (starts [B, K, n], chunk) -> keys
+    #: [B, K, n, chunk, H] reading whole blocks of the layer's store (`LayerView.key_blocks`) instead of None.
+    reads_key_blocks: bool = False
     #: The window's tokens sit in store rows [0, W), row = position % W (see `token_rows`), so a step reads the
     #: window as one slice of the store instead of gathering its rows.
     ring_window: ClassVar[bool] = False
@@ -211,7 +214,7 @@ class KVPolicy:
         self,
         state: Any,
         q: jax.Array,  # [B, N, H] post-RoPE queries of the new token
-        keys: jax.Array | None,  # [B, K, S, H] the layer's keys when `reads_all_keys`, else None
+        keys: Any,  # [B, K, S, H] the layer's keys when `reads_all_keys`; a block reader when `reads_key_blocks`
         lengths: jax.Array,  # [B] valid rows, the new token included
         prompt_lengths: jax.Array,  # [B]
     ) -> Selection:

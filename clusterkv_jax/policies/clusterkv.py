@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from clusterkv_jax import axes, kernels
 from clusterkv_jax.kmeans import cosine_kmeans, problem_keys
-from clusterkv_jax.ops import top_k_indices
+from clusterkv_jax.ops import gather_rows, row_index, top_k_indices, top_mask
 from clusterkv_jax.policies.base import FULL_LAYERS_HELP, KVPolicy, option
 from clusterkv_jax.policies.common import ring_window_mask
 from clusterkv_jax.selection import Selection
@@ -188,6 +188,9 @@ class ClusterKV(KVPolicy):
                                "sum(q^2 var)/2H, by the members' key variance", choices=SCORES)
     block_refine: int = option(1, "1: whole clusters (the paper); F: clusters up to F x the budget, then their "
                                   "best blocks by q·(block mean key)", least=1)
+    token_refine: int = option(1, "1: whole clusters (the paper); F: clusters up to F x the budget, ranked for each "
+                                  "KV head by its query heads' summed scores, then each query head's best of their "
+                                  "tokens by q·k", least=1)
     block_size: int = option(16, "rows per store block: the unit a selection reads", least=1)
     kernels: str = option("auto", "auto: Pallas kernels on CUDA sm80+ (Mosaic on TPU), pure JAX elsewhere; "
                                   "pallas; reference; interpret (slow, tests)", choices=kernels.MODES)
@@ -204,6 +207,13 @@ class ClusterKV(KVPolicy):
             )
         if self.kmeans_tol >= 1.0:
             raise ValueError(f"kmeans_tol must be in [0, 1), got {self.kmeans_tol}")
+        if self.token_refine > 1 and self.block_refine > 1:
+            raise ValueError(f"token_refine={self.token_refine} and block_refine={self.block_refine}: refine by "
+                             "tokens or by blocks, not both (set one of them to 1)")
+
+    @property
+    def reads_key_blocks(self) -> bool:
+        return self.token_refine > 1  # its candidates' keys, block by block
 
     # ---- Static sizes, from the capacity S -----------------------------------------------------------------
 
@@ -236,6 +246,8 @@ class ClusterKV(KVPolicy):
 
     def selection_shape(self, config, batch_size, capacity):
         heads = config.num_heads if self.gqa == "per_head" else config.num_kv_heads
+        if self.token_refine > 1:  # rows: the sinks, then the tokens
+            return (batch_size, heads, self.budget, 1)
         return (batch_size, heads, self._sink_blocks() + self.block_slots(), self.block_size)
 
     def metadata_bytes(self, config, context):
@@ -447,7 +459,10 @@ class ClusterKV(KVPolicy):
 
     def select(self, state: ClusterIndex, q, keys, lengths, prompt_lengths) -> Selection:
         """Sink blocks, then the blocks of the top clusters: starts [B, h, ns + Mb], mask [B, h, ns + Mb, bs],
-        h = N (gqa "per_head"; query head n ranks the clusters of KV head n // G) or K (gqa "shared")."""
+        h = N (gqa "per_head"; query head n ranks the clusters of KV head n // G) or K (gqa "shared").
+        With `token_refine`, rows (`_select_tokens`)."""
+        if self.token_refine > 1:
+            return self._select_tokens(state, q, keys, lengths, prompt_lengths)
         B = q.shape[0]
         bs, ns, Mb = self.block_size, self._sink_blocks(), self.block_slots()
         scores = self._scores(state, q)  # [B, K, g, C]
@@ -473,6 +488,41 @@ class ClusterKV(KVPolicy):
         return Selection(starts=starts.reshape(B, K * g, ns + Mb), mask=mask.reshape(B, K * g, ns + Mb, bs),
                          chunk=bs, aligned=True)
 
+    def _select_tokens(self, state: ClusterIndex, q, key_blocks, lengths, prompt_lengths) -> Selection:
+        """The sinks' rows, then the best `budget - sinks` tokens by q·k of the candidate clusters: those ranked
+        first for the KV head by the sum of its query heads' scores, taken until `token_refine` x that many
+        tokens. Their keys are read block by block (`key_blocks`, [B, K, n, bs, H]) and scored per query head
+        (gqa "shared": by the summed queries, one selection per KV head). Rows [B, h, budget] and their mask."""
+        B, N, H = q.shape
+        K, bs = state.centroids.shape[1], self.block_size
+        tokens = self.budget - self.sinks
+        wanted = tokens * self.token_refine
+        shared = dataclasses.replace(self, gqa="shared")._scores(state, q)  # [B, K, 1, C]
+        blocks, rows = rank_and_index(shared, state.sizes[:, :, None], state.block_start[:, :, None], wanted,
+                                      self.block_slots(wanted), bs, first=2 * -(-wanted // self.tokens_per_cluster) + 4,
+                                      impl=kernels.resolve(self.kernels, "cluster_to_block_index"))
+        blocks, rows = blocks[:, :, 0], rows[:, :, 0]  # [B, K, n]
+        n = blocks.shape[-1]
+        keys = key_blocks(blocks * bs, bs).reshape(B, K, n * bs, H)
+        queries = self._grouped(q, K, lambda x: x)  # [B, K, g, H]
+        scores = jnp.einsum("BKTH,BKgH->BKgT", keys, queries.astype(keys.dtype), preferred_element_type=jnp.float32)
+        offsets = jnp.arange(bs, dtype=jnp.int32)
+        candidate = (offsets < rows[..., None]).reshape(B, K, 1, n * bs)
+        keep = top_mask(jnp.where(candidate, scores, -jnp.inf), tokens)  # [B, K, g, n * bs]
+        # The kept candidates' rows, in candidate order, packed into `tokens` slots.
+        slot = jnp.where(keep, jnp.cumsum(keep, axis=-1, dtype=jnp.int32) - 1, tokens)
+        candidate_rows = jnp.broadcast_to((blocks[..., None] * bs + offsets).reshape(B, K, 1, n * bs), slot.shape)
+        g = slot.shape[2]
+        pack = lambda rows, at: jnp.zeros((tokens,), jnp.int32).at[at].set(rows, mode="drop")  # noqa: E731
+        packed = jax.vmap(jax.vmap(jax.vmap(pack)))(candidate_rows, slot)  # [B, K, g, tokens]
+        filled = jnp.arange(tokens) < jnp.sum(keep, axis=-1, dtype=jnp.int32)[..., None]
+        sink = jnp.arange(self.sinks, dtype=jnp.int32)
+        sink_rows = jnp.broadcast_to(self._first_block() * bs + sink, (B, K, g, self.sinks))
+        sink_mask = jnp.broadcast_to((sink < jnp.minimum(lengths, prompt_lengths)[:, None])[:, None, None],
+                                     (B, K, g, self.sinks))
+        return Selection.of_rows(jnp.concatenate([sink_rows, packed], -1).reshape(B, K * g, self.budget),
+                                 jnp.concatenate([sink_mask, filled], -1).reshape(B, K * g, self.budget))
+
     def _refine(self, state: ClusterIndex, q, blocks, rows, tokens: int, slots: int):
         """The best blocks of the candidate clusters' blocks [B, K, g, M] (rows used in each: rows), by q·(block
         mean key), taken until `tokens` rows (the last trimmed) -> blocks, rows [B, K, g, slots]."""
@@ -483,6 +533,12 @@ class ClusterKV(KVPolicy):
         block_scores = jnp.einsum("BKgMH,BKgH->BKgM", means.reshape(B, K, g, M, H), qg)
         return rank_and_index(block_scores, rows, blocks, tokens, slots, self.block_size,
                               impl=kernels.resolve(self.kernels, "cluster_to_block_index"))
+
+    def selected_positions(self, state: ClusterIndex, q, keys, lengths, prompt_lengths):
+        if self.reads_key_blocks:  # keys [B, K, S, H] by position (the evaluation's store): read by row here
+            by_row = jnp.take_along_axis(keys, jnp.maximum(state.row_positions, 0)[..., None], axis=-2)
+            keys = lambda starts, chunk: gather_rows(by_row, row_index(starts), chunk=chunk, aligned=True)  # noqa: E731
+        return super().selected_positions(state, q, keys, lengths, prompt_lengths)
 
     def selection_positions(self, state: ClusterIndex, selection: Selection):
         B, h, n = selection.starts.shape
