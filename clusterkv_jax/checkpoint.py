@@ -7,6 +7,7 @@ directory these functions read and write.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import threading
@@ -28,6 +29,11 @@ TERMINATING_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHU
 #: naming it too would make one chunk per column.)
 STORAGE_CHUNK_BYTES = 4 << 20
 STORAGE_SPLIT_AXES = ("heads", "kv_heads")
+#: Beside orbax's files in the params directory: each array's checksum (`checksum_numpy`) as saved, so a load
+#: names an array whose bytes changed since (a flipped byte in a file mostly decodes to finite, wrong weights).
+CHECKSUMS_FILE = "clusterkv_checksums.json"
+#: Odd, so every position's weight is odd and any change of one element changes the sum mod 2^32.
+_CHECKSUM_MULTIPLIER = 2654435761
 
 
 def save_params(path: str | os.PathLike, params: Any, axes: Any = None) -> str:
@@ -47,11 +53,65 @@ def save_params(path: str | os.PathLike, params: Any, axes: Any = None) -> str:
         args = jax.tree.map(save_args, axes, is_leaf=lambda x: isinstance(x, tuple))
     # Orbax writes from background threads: stopped half way by Ctrl-C or SIGTERM (SIGHUP, SIGQUIT), they would go
     # on writing into a directory the caller is deleting. So the signals wait until the save has finished (seconds).
+    checksums = {_name(key_path): checksum_numpy(np.asarray(x))
+                 for key_path, x in jax.tree_util.tree_flatten_with_path(params)[0]}
     with signals_held(), ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(path, params, save_args=args)
         # Saving is asynchronous; the checkpoint is only complete once this returns.
         checkpointer.wait_until_finished()
+        with open(os.path.join(path, CHECKSUMS_FILE), "w", encoding="utf-8") as f:
+            json.dump(checksums, f, indent=0, sort_keys=True)
     return path
+
+
+def _name(key_path) -> str:
+    return jax.tree_util.keystr(key_path, simple=True, separator="/")
+
+
+def checksum_numpy(x: np.ndarray) -> int:
+    """Σ_i bits_i · w_i mod 2^32 over the array's elements in row-major order, bits_i an element's bit pattern
+    (2- or 4-byte types, as an unsigned integer) and w_i = (2i + 1) · 2654435761 mod 2^32, odd: a change to any
+    one element changes the sum. `_checksums` computes the same on the devices holding the array."""
+    flat = np.ascontiguousarray(x).reshape(-1)
+    bits = flat.view({2: np.uint16, 4: np.uint32}[flat.dtype.itemsize]).astype(np.uint64)
+    total, step = 0, 1 << 22
+    for start in range(0, bits.size, step):
+        index = np.arange(start, min(start + step, bits.size), dtype=np.uint64)
+        weights = ((2 * index + 1) * _CHECKSUM_MULTIPLIER) & 0xFFFFFFFF
+        total = (total + int(np.sum((bits[start:start + step] * weights) & 0xFFFFFFFF))) & 0xFFFFFFFF
+    return total
+
+
+@jax.jit
+def _checksums(arrays: list) -> list:
+    def one(x):
+        bits = jax.lax.bitcast_convert_type(x, {2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]).astype(jnp.uint32)
+        index = jax.lax.broadcasted_iota(jnp.uint32, (x.size,), 0).reshape(x.shape)
+        weights = (2 * index + 1) * jnp.uint32(_CHECKSUM_MULTIPLIER)
+        return jnp.sum(bits * weights, dtype=jnp.uint32)
+
+    return [one(x) for x in arrays]
+
+
+def check_checksums(params: Any, path: str) -> None:
+    """Raises ValueError naming the first array whose checksum differs from the one saved beside it (checkpoints
+    saved before checksums were written are not checked; call it on arrays in their saved dtype). One
+    reduction per array on the devices holding it; for arrays split over processes, a collective."""
+    listed = os.path.join(path, CHECKSUMS_FILE)
+    if not os.path.isfile(listed):
+        return
+    from clusterkv_jax.config import read_json_object
+
+    saved = read_json_object(listed)
+    leaves = [(key_path, x) for key_path, x in jax.tree_util.tree_flatten_with_path(params)[0]
+              if isinstance(saved.get(_name(key_path)), int) and x.dtype.itemsize in (2, 4)]
+    on_device = [x for _, x in leaves if not isinstance(x, np.ndarray)]
+    sums = iter(_checksums(on_device))
+    for key_path, x in leaves:
+        got = checksum_numpy(x) if isinstance(x, np.ndarray) else int(next(sums))
+        if got != saved[_name(key_path)]:
+            raise ValueError(f"params checkpoint {path!r}: parameter {_name(key_path)!r} does not match the checksum "
+                             "saved with it; the files are damaged: convert the model again")
 
 
 @contextlib.contextmanager
@@ -140,6 +200,8 @@ def load_params(
                                "damaged)") from error
     remove_silencers()
     check_finite(params, path)
+    if cast is None:  # a cast changes the bytes the checksums were taken of
+        check_checksums(params, path)
     return params
 
 
