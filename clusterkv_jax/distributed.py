@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import threading
 from typing import Any
@@ -66,6 +67,13 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         host, colon, port = coordinator.rpartition(":")
         if not colon or not host or not port.isdigit():
             raise ValueError(f"the coordinator address must be HOST:PORT (e.g. 10.0.0.1:1234), got {coordinator!r}")
+        if not 1 <= int(port) <= 65535:
+            raise ValueError(f"the coordinator's port must be in 1..65535, got {port} in {coordinator!r}")
+        try:  # a name no process can resolve would only show as a join that never happens
+            socket.getaddrinfo(host.strip("[]"), int(port))
+        except (OSError, UnicodeError) as error:
+            raise ValueError(f"the coordinator's host {host!r} (in {coordinator!r}) cannot be resolved here: "
+                             f"{getattr(error, 'strerror', None) or error}") from None
     if local_cpu_devices is not None:
         flags = os.environ.get("XLA_FLAGS", "")
         if "xla_force_host_platform_device_count" not in flags:
@@ -83,7 +91,8 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
             sys.stderr.write(
                 f"{timeout_prefix}{where}: not every process joined the coordinator at "
                 f"{coordinator or '(detected)'} within {timeout} s; start the same command on each of the "
-                f"{num_processes or 'N'} processes, each with its own process id and the same coordinator\n")
+                f"{num_processes or 'N'} processes, each with its own process id (two given the same one wait "
+                f"like this) and the same coordinator\n")
             sys.stderr.flush()
             os._exit(timeout_exit_code)
 

@@ -251,7 +251,14 @@ def test_distributed_flags_are_checked_before_anything_starts(tiny):
                            (["--distributed", "--mesh", "data=2", "--num-processes", "2", "--process-id", "2",
                              "--coordinator", "127.0.0.1:1"], "process id 2 is not in 0..1"),
                            (["--distributed", "--mesh", "data=2", "--num-processes", "2", "--process-id", "0",
-                             "--coordinator", "localhost"], "must be HOST:PORT")):
+                             "--coordinator", "localhost"], "must be HOST:PORT"),
+                           # Once each waited the whole --distributed-timeout (300 s) to say "not every process
+                           # joined".
+                           (["--distributed", "--mesh", "data=2", "--num-processes", "2", "--process-id", "0",
+                             "--coordinator", "localhost:99999"], "port must be in 1..65535, got 99999"),
+                           (["--distributed", "--mesh", "data=2", "--num-processes", "2", "--process-id", "0",
+                             "--coordinator", "no-such-host.invalid:1234"],
+                            "host 'no-such-host.invalid' (in 'no-such-host.invalid:1234') cannot be resolved")):
         [r] = run_together([cli + extra], env_with_devices(1), limit=60)
         assert_one_line_error(r, message)
 
