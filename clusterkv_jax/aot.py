@@ -4,13 +4,15 @@
                                 --budget 1024 --batch 1]
 
 compiles, for an H100 (sm90; `--platform cuda`) or a TPU v5e core (`--platform tpu`), the decode step of full
-KV, ClusterKV and Quest, each with its KV in device memory and offloaded to pinned host memory, and ClusterKV's
-prefill, with the kernels `kernels="auto"` picks there (on a TPU the Mosaic kernels, on an H100 the Triton
-block indexing: `clusterkv_jax.kernels.AUTO_ON_GPU`), and ClusterKV's decode step with every Pallas kernel
-(`kernels="pallas"`), and prints one row per program: compile seconds, the Pallas kernels in it, device and host
+KV, ClusterKV and Quest, each with its KV in device memory and offloaded to pinned host memory, and full KV's and
+ClusterKV's prefill, with the kernels `kernels="auto"` picks there (on a TPU the Mosaic kernels, on an H100 the
+Triton block indexing: `clusterkv_jax.kernels.AUTO_ON_GPU`; a prompt's attention in cuDNN's fused attention on the
+H100 and in splash attention on the TPU: `kernels.prompt_attention`), and ClusterKV's decode step with every Pallas
+kernel (`kernels="pallas"`), and prints one row per program: compile seconds, the fused kernels in it, device and host
 memory, and the bytes XLA's cost analysis counts it accessing. This is the target's whole XLA pipeline (Triton
 and ptxas for the GPU, Mosaic for the TPU): what would fail to compile on the device fails here. `make aot-cuda` / `make aot-tpu` install what each needs into a venv of its own (jax's
-CUDA plugin of the same version, `jax-cuda12-pjrt` and ptxas from `nvidia-cuda-nvcc-cu12`; or libtpu via
+CUDA plugin of the same version, `jax-cuda12-pjrt`, ptxas from `nvidia-cuda-nvcc-cu12` and cuDNN from
+`nvidia-cudnn-cu12`, without which cuDNN's attention does not lower and prompts attend in XLA; or libtpu via
 `jax[tpu]`) and run this and `tests/test_aot.py`.
 
 How: `jax.experimental.topologies.get_topology_desc` gives compile-only devices: for CUDA from an XLA GPU target
@@ -62,7 +64,8 @@ device_description_str: "NVIDIA H100 80GB HBM3"
 
 INSTALL_HINT = (
     "deviceless CUDA compilation needs jax's CUDA plugin of the installed jax version and ptxas: "
-    "pip install jax-cuda12-plugin=={v} jax-cuda12-pjrt=={v} nvidia-cuda-nvcc-cu12 (or run `make aot-cuda`)"
+    "pip install jax-cuda12-plugin=={v} jax-cuda12-pjrt=={v} nvidia-cuda-nvcc-cu12 nvidia-cudnn-cu12 (or run "
+    "`make aot-cuda`)"
 )
 
 
@@ -112,7 +115,7 @@ class Compiled:
 
     name: str
     seconds: float
-    kernels: tuple[str, ...]  # the Pallas kernels in the program, by function name (sorted, distinct)
+    kernels: tuple[str, ...]  # the fused kernels in the program (`_kernels`; sorted, distinct)
     device_argument_bytes: int
     device_temp_bytes: int
     host_argument_bytes: int
@@ -125,11 +128,15 @@ class Compiled:
         return len(re.findall(r"\{[^{}]*S\(5\)[^{}]*\}", self.hlo))
 
 
-def _pallas_kernels(hlo: str) -> tuple[str, ...]:
-    """The function each Pallas custom call (Triton or Mosaic) was traced in (the innermost `jit(NAME)` or named call before
-    `pallas_call` in its op_name)."""
+def _kernels(hlo: str) -> tuple[str, ...]:
+    """The fused kernels in a program: each Pallas custom call (Triton or Mosaic) by the function it was traced in
+    (the innermost `jit(NAME)` or named call before `pallas_call` in its op_name, else its instruction's name:
+    splash attention's), cuDNN's fused attention as "cudnn_fmha"."""
     names = set()
     for line in hlo.splitlines():
+        if "__cudnn$fmha" in line:
+            names.add("cudnn_fmha")
+            continue
         if "__gpu$xla.gpu.triton" not in line and "tpu_custom_call" not in line:
             continue
         op = re.search(r'op_name="([^"]*)/pallas_call', line)
@@ -137,6 +144,8 @@ def _pallas_kernels(hlo: str) -> tuple[str, ...]:
             scopes = [s for s in op.group(1).split("/") if not s.startswith(("vmap(", "while", "cond", "branch"))]
             name = scopes[-1] if scopes else op.group(1)
             names.add(re.sub(r"^jit\((.*)\)$", r"\1", name))
+        elif instruction := re.match(r"\s*(?:ROOT )?%([\w-]+?)(?:\.\d+)? = ", line):
+            names.add(instruction.group(1))
     return tuple(sorted(names))
 
 
@@ -157,7 +166,7 @@ def compile_for_device(name: str, jitted, device, *args, **kwargs) -> Compiled:
     seconds = time.perf_counter() - start
     stats = executable.get_compiled_memory_stats()
     hlo = "\n".join(m.to_string() for m in executable.hlo_modules())
-    return Compiled(name=name, seconds=seconds, kernels=_pallas_kernels(hlo),
+    return Compiled(name=name, seconds=seconds, kernels=_kernels(hlo),
                     device_argument_bytes=stats.argument_size_in_bytes, device_temp_bytes=stats.temp_size_in_bytes,
                     host_argument_bytes=stats.host_argument_size_in_bytes, hlo=hlo,
                     bytes_accessed=_bytes_accessed(executable))
@@ -249,14 +258,14 @@ def main(argv=None) -> int:
     cc = f" (compute capability {device.compute_capability})" if args.platform == "cuda" else ""
     print(f"target {device.device_kind}{cc}, jax {jax.__version__}; "
           f"{args.geometry} x {args.layers} layers, batch {args.batch}, context {args.context}, bfloat16")
-    print("| program | compile s | Pallas kernels | host-memory buffers | device args MB | device temp MB | host args MB "
+    print("| program | compile s | fused kernels | host-memory buffers | device args MB | device temp MB | host args MB "
           "| MB accessed |")
     print("|---|---|---|---|---|---|---|---|")
     failed = 0
     for name, policy in policies.items():
         try:
             results = model_programs(config, {name: policy}, device=device, batch=args.batch, context=args.context,
-                                     prefill=(f"clusterkv@{B}", f"clusterkv@{B} offloaded"))
+                                     prefill=("full", f"clusterkv@{B}", f"clusterkv@{B} offloaded"))
         except Exception as e:  # report every program, then fail
             failed += 1
             print(f"| decode {name} | FAILED: {type(e).__name__}: {str(e)[:500]} |", flush=True)

@@ -60,18 +60,18 @@ class Prefill:
     cap: float | None = None  # scores soft-capped (`attention.softcap`)
 
     def attend(self, group, i, store, state, q, k, v):
-        """-> (causal attention [B, T, N, H] float32, store, state, None)."""
+        """-> (causal attention [B, T, N, H] (`kernels.prompt_attention`), store, state, None)."""
         k_rows = jnp.swapaxes(k, 1, 2).astype(store.k.dtype)  # [B, K, T, H] rows 0..T, in the store's dtype
         v_rows = jnp.swapaxes(v, 1, 2).astype(store.v.dtype)
         if group.windowed:
             W = store.capacity
             store = write_ring(store, i, k_rows, v_rows, 0, self.lengths)
-            return (attention.causal_attention(q, k, v, block=PREFILL_BLOCK, window=W, cap=self.cap), store, state,
+            return (kernels.prompt_attention(q, k, v, block=PREFILL_BLOCK, window=W, cap=self.cap), store, state,
                     None)
         state = observe_prompt_queries(self.policy, group, state, q, 0, self.lengths)
         store, state = write_prompt_layer(self.policy, group, store, state, i, k_rows, v_rows, self.lengths,
                                           self.capacity)
-        return attention.causal_attention(q, k, v, block=PREFILL_BLOCK, cap=self.cap), store, state, None
+        return kernels.prompt_attention(q, k, v, block=PREFILL_BLOCK, cap=self.cap), store, state, None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -210,7 +210,8 @@ def prepare_mesh(args) -> None:
     part of the mesh's devices) or asks for D*M CPU devices, and refuses a mesh whose copies of the parameters would
     not fit this machine's memory."""
     from clusterkv_jax import sharding
-    from clusterkv_jax.distributed import NUM_PROCESSES_ENV, _env_int, agree, initialize, native_output_to_stderr
+    from clusterkv_jax.distributed import (NUM_PROCESSES_ENV, _env_int, agree, initialize, native_output_to_stderr,
+                                           watch_peers)
 
     if not args.distributed:
         given = [flag for flag in ("--coordinator", "--num-processes", "--process-id")
@@ -231,8 +232,11 @@ def prepare_mesh(args) -> None:
         native_output_to_stderr()
         initialize(args.coordinator, args.num_processes, args.process_id,
                    local_cpu_devices=devices // processes if processes else None, timeout=args.distributed_timeout,
-                   timeout_prefix="clusterkv: error: ", timeout_exit_code=2)
+                   timeout_prefix="clusterkv: error: ", timeout_exit_code=2, lost_peer_seconds=None)
         agree(run_description(args), timeout=args.distributed_timeout)
+        # Watched from here on, not before: a run the processes disagree on ends on every process with its own
+        # line naming the difference, not with a peer's.
+        watch_peers(prefix="clusterkv: error: ", exit_code=2)
     else:
         sharding.request_host_devices(args.mesh)  # on CPU: data*model host devices (before JAX starts)
     sharding.check_mesh_for_model(args.mesh, args.model, args.dtype)
@@ -366,8 +370,11 @@ def exit_now(code: int) -> None:
     down under them crashed the process (SIGSEGV) in 3 of 7 tries."""
     sys.stdout.flush()
     sys.stderr.flush()
-    if code == 130:
-        os._exit(130)
+    distributed = sys.modules.get("clusterkv_jax.distributed")
+    if code == 130 or (code != 0 and distributed is not None and distributed.watching()):
+        # A failed process of several ends here: its peers were told (`_tell_peers`) and end without joining
+        # JAX's shutdown, which would wait for them (300 s).
+        os._exit(code)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the work is done: a late Ctrl-C must not break the teardown
     sys.exit(code)
 
@@ -411,16 +418,27 @@ def run_reporting_errors(run, *, debug: bool, prefix: str, error_code: int, inte
         with interrupts_redelivered():
             return run()
     except KeyboardInterrupt:
+        _tell_peers(130, "interrupted")
         if debug:
             raise
         print(interrupted, file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 -- one line for the user; --debug shows the traceback
+        _tell_peers(error_code, f"{type(e).__name__}: {e}")
         if debug:
             raise
         kind = "" if isinstance(e, (ValueError, TypeError, OSError)) else f" ({type(e).__name__})"
-        print(f"{prefix}error{kind}: {e}", file=sys.stderr)
+        distributed = sys.modules.get("clusterkv_jax.distributed")
+        hint = distributed.lost_peer_hint(str(e)) if distributed is not None else ""
+        print(f"{prefix}error{kind}: {e}{hint}", file=sys.stderr)
         return error_code
+
+
+def _tell_peers(code: int, message: str) -> None:
+    """In a run of several processes, the others learn that this one failed and end too (`distributed.end_run`)."""
+    distributed = sys.modules.get("clusterkv_jax.distributed")  # not imported: no peers
+    if distributed is not None:
+        distributed.end_run(code, message)
 
 
 def attended_per_step(policy, config, prompt_length: int, max_new_tokens: int = 1) -> str:

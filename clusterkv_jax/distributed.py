@@ -14,11 +14,13 @@ TPU), which needs none of them.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import socket
 import sys
 import threading
+import time
 from typing import Any
 
 import jax
@@ -28,6 +30,8 @@ import numpy as np
 COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
 #: Seconds a process waits for all the others to join before giving up.
 DEFAULT_TIMEOUT = 300
+#: Seconds without a sign of life from a peer (once all have joined) after which a process ends, naming it.
+LOST_PEER_SECONDS = 10.0
 
 
 def _env_int(name: str) -> int | None:
@@ -41,7 +45,8 @@ def _env_int(name: str) -> int | None:
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
                *, local_cpu_devices: int | None = None, timeout: int = DEFAULT_TIMEOUT,
-               timeout_prefix: str = "clusterkv_jax.distributed: ", timeout_exit_code: int = 1) -> None:
+               timeout_prefix: str = "clusterkv_jax.distributed: ", timeout_exit_code: int = 1,
+               lost_peer_seconds: float | None = LOST_PEER_SECONDS) -> None:
     """Joins this process to the others (`jax.distributed.initialize`), before JAX starts its backends.
 
     `coordinator` ("HOST:PORT", reachable from every process; process 0 listens there), `num_processes` and
@@ -50,7 +55,9 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     (XLA_FLAGS, when it does not name a count already). CPU processes exchange data over gloo.
 
     When not every process has joined after `timeout` seconds, the process ends with `timeout_exit_code` after
-    one line on stderr saying so (JAX's runtime would abort it a little later with a C++ stack trace).
+    one line on stderr saying so (JAX's runtime would abort it a little later with a C++ stack trace). Once all
+    have joined, each process watches the others (`watch_peers`, unless `lost_peer_seconds` is None): one that
+    ends with an error, or gives no sign of life for `lost_peer_seconds`, ends this one too, with one line.
     """
     coordinator = coordinator or os.environ.get(COORDINATOR_ENV) or None
     num_processes = num_processes if num_processes is not None else _env_int(NUM_PROCESSES_ENV)
@@ -97,6 +104,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
             os._exit(timeout_exit_code)
 
     threading.Thread(target=give_up, name="distributed-timeout", daemon=True).start()
+
     try:
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
                                    process_id=process_id, initialization_timeout=timeout + 60)
@@ -108,6 +116,132 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         raise
     finally:
         joined.set()
+    if lost_peer_seconds is not None:
+        watch_peers(lost_peer_seconds, prefix=timeout_prefix, exit_code=timeout_exit_code)
+
+
+#: Keys of the coordination service's key-value store through which the processes watch each other.
+_ALIVE_KEY, _ENDED_KEY = "clusterkv/alive/", "clusterkv/ended/"
+_watch: dict[str, Any] = {}
+
+
+def watch_peers(lost_after: float = LOST_PEER_SECONDS, *, prefix: str = "clusterkv_jax.distributed: ",
+                exit_code: int = 1, interval: float = 1.0) -> None:
+    """After joining: this process and its peers watch each other through the coordination service, so that none
+    waits on a lost one. Without this, a collective whose peer died waits until JAX's heartbeat gives up (100 s)
+    and then aborts the process from C++ with a stack trace; a peer that ended with an error leaves the others
+    waiting in their next collective.
+
+    A daemon thread puts a count in the key-value store every `interval` seconds and reads every peer's. This
+    process ends at once (`os._exit(exit_code)`) with one line on stderr when a peer has said it ended with an
+    error (`end_run`), when a peer's count has not moved for `lost_after` seconds (killed, or hung), or when the
+    coordination service (process 0's) has not answered for `lost_after` seconds. A peer that ended its work
+    normally (it says so at exit) is no longer expected to count. Nothing happens with one process."""
+    from jax._src import distributed as jax_distributed
+
+    state = jax_distributed.global_state
+    client, me, count = state.client, state.process_id, state.num_processes
+    if client is None or count <= 1 or _watch:
+        return
+    stop, peers_ended = threading.Event(), threading.Event()
+    answered = [time.monotonic()]
+    _watch.update(client=client, me=me, stop=stop, peers_ended=peers_ended)
+
+    def end(why: str) -> None:
+        if stop.is_set():  # this process is ending already
+            return
+        sys.stderr.write(f"{prefix}process {me} of {count}: {why}; this process ends too instead of waiting for it "
+                         "(in a collective, or in JAX's shutdown)\n")
+        sys.stderr.flush()
+        os._exit(exit_code)
+
+    def beat() -> None:
+        seen = {peer: (None, time.monotonic()) for peer in range(count) if peer != me}
+        beats = 0
+        while not stop.wait(interval):
+            beats += 1
+            try:
+                client.key_value_set(f"{_ALIVE_KEY}{me}", str(beats), allow_overwrite=True)
+                alive = dict(client.key_value_dir_get(_ALIVE_KEY))
+                ended = dict(client.key_value_dir_get(_ENDED_KEY))
+            except Exception:  # noqa: BLE001 -- the service is gone or failing: `silence` decides when to end
+                continue
+            answered[0] = now = time.monotonic()
+            for peer, (last, since) in list(seen.items()):
+                how = ended.get(f"{_ENDED_KEY}{peer}")
+                if how == "ok":
+                    del seen[peer]
+                elif how is not None:
+                    end(f"process {peer} ended with an error ({how})")
+                elif alive.get(f"{_ALIVE_KEY}{peer}") != last:
+                    seen[peer] = (alive.get(f"{_ALIVE_KEY}{peer}"), now)
+                elif now - since > lost_after:
+                    end(f"process {peer} has given no sign of life for {lost_after:g} s (killed, or hung)")
+            if not seen:
+                peers_ended.set()
+
+    def silence() -> None:
+        while not stop.wait(interval):
+            if time.monotonic() - answered[0] > lost_after:
+                end(f"the coordination service (process 0's) has not answered for {lost_after:g} s (process 0 "
+                    "ended, or its host is unreachable)")
+
+    for target in (beat, silence):
+        threading.Thread(target=target, name=f"distributed-{target.__name__}", daemon=True).start()
+    previous_hook = sys.excepthook
+
+    def failed(kind, error, traceback) -> None:  # an uncaught exception ends this process
+        previous_hook(kind, error, traceback)
+        end_run(1, f"{kind.__name__}: {error}")
+
+    sys.excepthook = failed
+    atexit.register(_at_exit)
+
+
+def _at_exit() -> None:
+    """At exit, before JAX's own shutdown (atexit runs the later registration first), which waits at a barrier for
+    every peer: a lost one never comes, and after its heartbeat time-out (100 s) the runtime aborts from C++. So a
+    process that failed ends here; one that ended normally says so, then waits until every peer has ended its run
+    as well, still watching them (a peer lost meanwhile ends this one with its line), and only then shuts down."""
+    if "ended" not in _watch:
+        end_run(0)
+    if _watch["ended"] != 0:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_watch["ended"])
+    _watch["peers_ended"].wait()
+    _watch["stop"].set()
+
+
+def watching() -> bool:
+    """Whether this process is one of several that watch each other (`watch_peers`)."""
+    return bool(_watch)
+
+
+def lost_peer_hint(message: str) -> str:
+    """What to add to an error's `message` in a run of several processes when it is a collective's connection to a
+    peer that broke (gloo says "Connection closed by peer"): the cause is in the peer's output."""
+    if watching() and ("connection closed" in message.lower() or "connection reset" in message.lower()):
+        return " (another process of this run ended or was lost: see its output)"
+    return ""
+
+
+def end_run(code: int, message: str = "") -> None:
+    """This process ends with exit `code`: its peers stop watching it (`watch_peers`), and with a nonzero code,
+    learn that it failed (`message`, its first line, is named to them) and end too instead of waiting for it in a
+    collective; this process then ends at exit without JAX's shutdown (`_at_exit`). With 0, it keeps watching its
+    peers until they have ended too (at exit). Call before exiting (an uncaught
+    exception calls it); a no-op with one process or without `watch_peers`."""
+    if not _watch or "ended" in _watch:
+        return
+    _watch["ended"] = code
+    if code != 0:  # no longer watching: this process ends at once
+        _watch["stop"].set()
+    how = "ok" if code == 0 else (message.strip().splitlines() or [f"exit status {code}"])[0][:300]
+    try:
+        _watch["client"].key_value_set(f"{_ENDED_KEY}{_watch['me']}", how, allow_overwrite=True)
+    except Exception:  # noqa: BLE001 -- the service is gone: the peers will find this process silent instead
+        pass
 
 
 #: The key under which each process describes its run in the coordination service's key-value store.

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 
 import jax
+import jax.numpy as jnp
 
+from clusterkv_jax import attention
 from clusterkv_jax.ops import per_shard
 from pallas_kernels import (
     centroid_update as _centroid_update_pallas,
@@ -150,3 +153,115 @@ def selected_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, pag
     if impl == "tpu":
         return selected_attention_tpu(q, k_pages, v_pages, pages, mask)
     return _selected_attention_pallas(q, k_pages, v_pages, pages, mask, interpret=impl == "interpret")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A prompt's attention to itself: the fused flash-attention kernels JAX and cuDNN maintain, where there is one
+# ----------------------------------------------------------------------------------------------------------
+
+#: How a prompt attends to itself (`prompt_attention`): "cudnn" (cuDNN's fused flash attention through
+#: `jax.nn.dot_product_attention`; CUDA GPUs of compute capability >= 8.0), "splash" (JAX's Pallas TPU splash
+#: attention, its grouped-query form), "xla" (`attention.causal_attention`, a flash loop in XLA ops: the CPU,
+#: and the fallback).
+PROMPT_ATTENTIONS = ("xla", "cudnn", "splash")
+_prompt_attention_override: list[tuple[str, bool]] = []
+_said: set[str] = set()
+log = logging.getLogger("clusterkv_jax")
+
+
+def _say_once(message: str) -> None:
+    if message not in _said:
+        _said.add(message)
+        log.warning(message)
+
+
+def prompt_attention_impl(dtype, cap: float | None) -> tuple[str, str | None]:
+    """Which of `PROMPT_ATTENTIONS` a prompt's attention runs on the device being traced for, and, where the
+    platform's kernel cannot take this layer, why not (the layer then runs "xla"). cuDNN's fused attention takes
+    bfloat16 or float16 and has no soft-capped scores (Gemma 2); splash attention takes both."""
+    if _prompt_attention_override:
+        return _prompt_attention_override[-1][0], None
+    if dispatch.on_tpu():
+        return "splash", None
+    if dispatch.kernels_supported():
+        if cap is not None:
+            return "xla", "cuDNN's fused attention has no soft-capped scores: soft-capped layers' prompts attend in XLA"
+        if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+            return "xla", (f"cuDNN's fused attention takes bfloat16 or float16: a {jnp.dtype(dtype).name} model's "
+                           "prompts attend in XLA")
+        return "cudnn", None
+    return "xla", None
+
+
+@contextlib.contextmanager
+def forced_prompt_attention(impl: str, interpret: bool = False):
+    """Prompts attend with `impl` inside this block whatever the device (tests: "splash" with `interpret` runs
+    the TPU kernel on the CPU). Entering and leaving clear JAX's caches, as `forced_layer_loop` does."""
+    if impl not in PROMPT_ATTENTIONS:
+        raise ValueError(f"prompt attention must be one of {', '.join(PROMPT_ATTENTIONS)}, got {impl!r}")
+    jax.clear_caches()
+    _prompt_attention_override.append((impl, interpret))
+    try:
+        yield
+    finally:
+        _prompt_attention_override.pop()
+        jax.clear_caches()
+
+
+def prompt_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = None,
+                     cap: float | None = None, block: int = 512) -> jax.Array:
+    """Causal attention of a whole prompt to itself: q [B, T, N, H], k and v [B, T, K, H] -> [B, T, N, H]
+    (float32 from XLA, q's dtype from a fused kernel: no float32 copy of the output is made), each query over its last `window` positions when given, scores soft-capped by `cap` when given,
+    through the platform's fused kernel (`prompt_attention_impl`; a layer it cannot take falls back to XLA,
+    said once in the log). No [T, T] score matrix exists in memory on any path."""
+    impl, why_not = prompt_attention_impl(q.dtype, cap)
+    if why_not:
+        _say_once(why_not)
+    interpret = bool(_prompt_attention_override and _prompt_attention_override[-1][1])
+    if impl == "cudnn":
+        try:
+            return dot_product_prompt_attention(q, k, v, window=window, implementation="cudnn")
+        except (RuntimeError, NotImplementedError, ValueError) as e:  # no cuDNN, or a shape it does not take
+            _say_once(f"cuDNN's fused attention is not available here ({type(e).__name__}: {e}); prompts attend "
+                      "in XLA")
+    elif impl == "splash":
+        return splash_prompt_attention(q, k, v, window=window, cap=cap, block=block, interpret=interpret)
+    return attention.causal_attention(q, k, v, block=block, window=window, cap=cap)
+
+
+def dot_product_prompt_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = None,
+                                 implementation: str = "cudnn") -> jax.Array:
+    """`prompt_attention` through `jax.nn.dot_product_attention` (grouped-query heads and the window native:
+    HF's window q - k < W is cuDNN's sliding window of length W) -> [B, T, N, H] in q's dtype. With implementation="xla" the same
+    call runs anywhere, with a [T, T] score matrix (tests, short prompts)."""
+    local = None if window is None else (window - 1, 0)
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local,
+                                       implementation=implementation)
+    return out
+
+
+def splash_prompt_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = None,
+                            cap: float | None = None, block: int = 512, interpret: bool = False) -> jax.Array:
+    """`prompt_attention` through JAX's Pallas TPU splash attention, its grouped-query form (each KV head's G
+    query heads over its keys, vmapped over batch and KV heads, once per device's shard under a mesh) -> q's dtype.
+    T is padded to whole blocks of `block`: padded keys lie after every real query, so causality masks them, and
+    padded queries are dropped. The mask is causal or local (window W: q - k < W), built lazily by splash."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+    B, T, N, H = q.shape
+    K = k.shape[2]
+    G = N // K
+    padded = -(-T // block) * block
+    q, k, v = (jnp.pad(x, ((0, 0), (0, padded - T), (0, 0), (0, 0))) for x in (q, k, v))
+    shape = (padded, padded)
+    head_mask = masks.CausalMask(shape) if window is None else masks.LocalMask(shape, (window - 1, 0), 0)
+    kernel = splash.make_splash_mqa_single_device(
+        masks.MultiHeadMask([head_mask] * G), attn_logits_soft_cap=cap, interpret=interpret,
+        block_sizes=splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block))
+    # Splash takes the scale folded into q (the soft cap applies to the scaled scores, as in `attention.softcap`).
+    q = (q.astype(jnp.float32) * H ** -0.5).astype(k.dtype)
+    q_heads = q.reshape(B, padded, K, G, H).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
+    k_heads, v_heads = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, K, T, H]
+    out = per_shard(lambda q, k, v: dispatch.map_leading(kernel, 2)(q, k, v), q_heads, k_heads, v_heads)
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, padded, N, H)[:, :T]

@@ -53,6 +53,12 @@ def _normalize(x: jax.Array) -> jax.Array:
 # Similarities are scaled into [2 + 1/16, 4 - 1/16] before packing: one float exponent, away from its edges.
 _PACK_SCALE, _PACK_OFFSET = 0.9375, 3.0
 _PACK_MAX_BITS = 12  # more clusters than 2**12: similarities closer than ~1e-3 would tie; use argmax instead
+#: The most bytes of [P, keys, C] float32 similarities one assignment step computes at once. Where the product is
+#: written to memory (XLA:GPU and XLA:TPU; XLA:CPU fuses it with the max), all N keys at once grow with the square
+#: of the context (Llama-3-8B's 8 KV heads: 442 MB a layer at 32k, 7 GB at 128k); keys then go in chunks (multiples
+#: of 1,024) that stay within this. Smaller problems are assigned whole: chunks cost time on the CPU (37% at 84
+#: problems of 8,000 keys and 100 clusters, chunks of 4,096).
+ASSIGN_BLOCK_BYTES = 128 << 20
 
 
 def _assign(unit_keys, valid, directions, cluster_ok):
@@ -65,6 +71,21 @@ def _assign(unit_keys, valid, directions, cluster_ok):
     these floats carries the best cluster in its low bits (the lower c on a tie). The price: similarities
     within 2**(bits-22) / 0.9375 of each other count as tied (3.3e-5 for 128 clusters).
     """
+    N, C = unit_keys.shape[-2], directions.shape[-2]
+    chunk = max(1024, ASSIGN_BLOCK_BYTES // (4 * C * int(np.prod(unit_keys.shape[:-2]))) // 1024 * 1024)
+    if N <= chunk:
+        return _assign_block(unit_keys, valid, directions, cluster_ok)
+    n = -(-N // chunk)  # keys in n chunks: a [P, chunk, C] similarity block at a time
+    pad = [(0, 0)] * (unit_keys.ndim - 2) + [(0, n * chunk - N)]
+    keys = jnp.pad(unit_keys, pad + [(0, 0)])
+    keys = jnp.moveaxis(keys.reshape(*keys.shape[:-2], n, chunk, keys.shape[-1]), -3, 0)
+    ok = jnp.moveaxis(jnp.pad(valid, pad).reshape(*valid.shape[:-1], n, chunk), -2, 0)
+    labels = jax.lax.map(lambda a: _assign_block(a[0], a[1], directions, cluster_ok), (keys, ok))
+    return jnp.moveaxis(labels, 0, -2).reshape(*valid.shape[:-1], n * chunk)[..., :N]
+
+
+def _assign_block(unit_keys, valid, directions, cluster_ok):
+    """`_assign` of keys [P, N, H] all at once."""
     C = directions.shape[-2]
     bits = max(1, (C - 1).bit_length())
     # [P, N, C]

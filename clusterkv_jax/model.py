@@ -191,14 +191,14 @@ def _project_qkv(layer: Params, config: ModelConfig, x: jax.Array, cos_sin: tupl
     return q, rotate(k), v
 
 
-def _output_and_mlp(layer: Params, config: ModelConfig, x: jax.Array, attn: jax.Array) -> jax.Array:
-    """Residual add of the attention output attn [B, T, N, H], then the SwiGLU MLP block."""
-    out = jnp.einsum("BTNH,NHD->BTD", attn.astype(x.dtype), layer["o"])
-    if "o_bias" in layer:
-        out = out + layer["o_bias"]
-    if "post_attn_norm" in layer:
-        out = _norm(out, layer["post_attn_norm"], config)
-    x = x + out
+#: Prompt tokens the MLP block takes at once: its hidden activations ([B, chunk, F], three of them) bound prefill's
+#: memory instead of growing with the prompt (Llama-3-8B at 32k: 2.8 GB a layer at once, 0.35 GB in chunks of
+#: 4,096), and each chunk's matrix products are still large.
+MLP_CHUNK = 4096
+
+
+def _mlp(layer: Params, config: ModelConfig, x: jax.Array) -> jax.Array:
+    """The gated MLP block with its residual add: x [B, T, D] -> [B, T, D]."""
     h = _norm(x, layer["mlp_norm"], config)
     gate = jnp.einsum("BTD,DF->BTF", h, layer["gate"])
     up = jnp.einsum("BTD,DF->BTF", h, layer["up"])
@@ -207,6 +207,28 @@ def _output_and_mlp(layer: Params, config: ModelConfig, x: jax.Array, attn: jax.
     if "post_mlp_norm" in layer:
         mlp = _norm(mlp, layer["post_mlp_norm"], config)
     return x + mlp
+
+
+def _output_and_mlp(layer: Params, config: ModelConfig, x: jax.Array, attn: jax.Array) -> jax.Array:
+    """Residual add of the attention output attn [B, T, N, H], then the MLP block, over at most `MLP_CHUNK`
+    tokens at a time."""
+    out = jnp.einsum("BTNH,NHD->BTD", attn.astype(x.dtype), layer["o"])
+    if "o_bias" in layer:
+        out = out + layer["o_bias"]
+    if "post_attn_norm" in layer:
+        out = _norm(out, layer["post_attn_norm"], config)
+    x = x + out
+    T = x.shape[1]
+    if T <= MLP_CHUNK:
+        return _mlp(layer, config, x)
+    n = -(-T // MLP_CHUNK)
+
+    def chunk(i, x):  # chunk i's rows are read, then overwritten: the loop updates x in place, no second buffer
+        rows = jax.lax.dynamic_slice_in_dim(x, i * MLP_CHUNK, MLP_CHUNK, axis=1)
+        return jax.lax.dynamic_update_slice_in_dim(x, _mlp(layer, config, rows), i * MLP_CHUNK, axis=1)
+
+    x = jnp.pad(x, ((0, 0), (0, n * MLP_CHUNK - T), (0, 0)))
+    return jax.lax.fori_loop(0, n, chunk, x)[:, :T]
 
 
 def _logits(params: Params, config: ModelConfig, x: jax.Array) -> jax.Array:

@@ -4,6 +4,10 @@
     python -m tests.multiprocess_check run DIR OUT.json    generate and eval ppl on a data=2,model=2 mesh
         [--distributed --coordinator HOST:PORT --num-processes 2 --process-id I]
 
+    python -m tests.multiprocess_check lose HOW --coordinator HOST:PORT --num-processes 2 --process-id I
+        two processes join; then one is lost (HOW: "killed" kills process 1, "failed" ends it with an error as the
+        CLI does, "killed0" kills process 0, the coordinator's host) while the other waits in a collective
+
 `run` without --distributed needs 4 CPU devices in its one process; with it, 2 per process (the test sets
 XLA_FLAGS). Each process writes what it measured (tokens, perplexities, the bytes it holds); the assertions
 live in the test.
@@ -33,6 +37,37 @@ CONFIG = {
 LENGTHS = [64, 23, 50, 37]
 NEW = 16
 SMALL = dict(budget=16, sinks=4, tokens_per_cluster=8, decode_interval=8, decode_clusters=2, full_layers=1)
+
+
+#: `lose`: how long a peer may be silent before the other ends (the library's default is 10 s).
+LOST_AFTER_S = 3.0
+
+
+def lose(how: str, coordinator: str, process_id: int) -> None:
+    import signal
+    import time
+
+    from clusterkv_jax import commands
+    from clusterkv_jax.distributed import agreed, initialize
+
+    initialize(coordinator, 2, process_id, timeout=60, lost_peer_seconds=LOST_AFTER_S)
+    agreed(1)  # a first collective: both are at work
+    print(f"process {process_id} joined", file=sys.stderr, flush=True)
+    lost = 0 if how == "killed0" else 1
+    if process_id == lost:
+        if how == "failed":
+            def fail() -> int:
+                raise ValueError("this process failed")
+
+            commands.exit_now(commands.run_reporting_errors(fail, debug=False, prefix="check: ", error_code=2,
+                                                            interrupted="interrupted"))
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    while True:  # collectives with a peer that no longer takes part: each waits forever
+        agreed(2)
+        if time.monotonic() - start > 600:
+            break
 
 
 def make(path: str) -> None:
@@ -118,7 +153,7 @@ def run(model_dir: str, out: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("command", choices=["make", "run"])
+    parser.add_argument("command", choices=["make", "run", "lose"])
     parser.add_argument("dir")
     parser.add_argument("out", nargs="?")
     parser.add_argument("--distributed", action="store_true")
@@ -128,6 +163,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.command == "make":
         make(args.dir)
+        return
+    if args.command == "lose":
+        lose(args.dir, args.coordinator, args.process_id)
         return
     if args.distributed:
         from clusterkv_jax.distributed import initialize

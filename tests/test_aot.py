@@ -95,6 +95,30 @@ def test_targets_are_an_sm90_gpu_and_a_v5e(target):
 AUTO_ON_SM90 = ("cluster_to_block_index",)
 
 
+#: The fused attention a prompt runs through (`kernels.prompt_attention`): cuDNN's on sm90, splash on a TPU.
+PROMPT_KERNEL = {"gpu": "cudnn_fmha", "tpu": "splash_mqa_fwd_no_residuals"}
+
+
+def test_prefill_attends_through_the_platforms_flash_kernel(target):
+    """An 8k-token prefill's attention runs in the platform's fused kernel (cuDNN's flash attention on sm90, JAX's
+    Pallas splash attention on a TPU) and holds no [T, T] score matrix: its device temporaries are below one
+    eighth of the [N, T, T] float32 scores of one layer (XLA's own `dot_product_attention` held 12 GB at 8k). On
+    sm90 they are below those of the same program with the prompt attending in XLA's ops (the flash loop of
+    `attention.causal_attention`), which held 2.4 times as much at 32k (docs/research_log.md)."""
+    from clusterkv_jax import kernels
+
+    context = 8192
+    program = aot.model_programs(CONFIG, {"p": FullKV()}, device=target, batch=1, context=context,
+                                 prefill=("p",))[1]
+    assert program.name == "prefill p" and PROMPT_KERNEL[target.platform] in program.kernels
+    assert program.device_temp_bytes < CONFIG.num_heads * context ** 2 * 4 / 8, program.device_temp_bytes
+    if target.platform == "gpu":
+        with kernels.forced_prompt_attention("xla"):
+            in_xla = aot.model_programs(CONFIG, {"p": FullKV()}, device=target, batch=1, context=context,
+                                        prefill=("p",))[1]
+        assert in_xla.kernels == () and program.device_temp_bytes < in_xla.device_temp_bytes
+
+
 def _no_store_copy(program, policy, device):
     """No copy of the selecting layers' whole store in a decode step (a `lax.cond` returning the store made XLA:GPU
     copy it on every layer of every step)."""
@@ -122,13 +146,14 @@ def test_decode_reads_every_weight_in_place(target, policy):
 def test_clusterkv_decode_and_prefill_compile_with_the_pallas_kernels(target, gqa):
     """kernels="pallas": on sm90 the Triton kernels, on a TPU their Mosaic versions: the decode step holds the
     cluster-to-block indexing, the page-table attention and (in the decode-time clustering) the centroid update;
-    prefill holds K-means' centroid update. kernels="auto": on a TPU the same; on sm90 the block indexing alone.
+    prefill holds K-means' centroid update (and the prompt's flash attention). kernels="auto": on a TPU the same; on sm90 the block indexing alone.
     kernels="reference" compiles to none."""
     policy = ClusterKV(budget=256, gqa=gqa, kernels="pallas")
     programs = _compile(policy, target, prefill=True)
     assert programs["decode"].kernels == _named(("centroid_update", "cluster_to_block_index", "selected_attention"),
                                                 target)
-    assert programs["prefill"].kernels == _named(("centroid_update",), target)
+    assert programs["prefill"].kernels == tuple(sorted(_named(("centroid_update",), target)
+                                                      + (PROMPT_KERNEL[target.platform],)))
     assert programs["decode"].host_argument_bytes == 0 and programs["decode"].host_buffers == 0
     _no_store_copy(programs["decode"], policy, target)
     auto = _compile(ClusterKV(budget=256, gqa=gqa), target)["decode"]
@@ -205,5 +230,5 @@ def test_cli_prints_one_row_per_program(target, capsys):
     assert aot.main(["--layers", "3", "--context", "1024", "--budget", "256", "--platform", platform]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| decode") or line.startswith("| prefill")]
-    assert len(rows) == 10 and out.rstrip().endswith("all programs compiled")
+    assert len(rows) == 11 and out.rstrip().endswith("all programs compiled")
     assert np.all(["FAILED" not in r for r in rows])

@@ -57,6 +57,42 @@ def test_bench_decode_times_the_tokens_generate_produces():
         assert row["full"]["speedup_vs_full"] == 1.0
 
 
+def test_bench_prefill_times_the_prefill_generate_runs_and_hf_alike(tmp_path):
+    """`bench prefill` times real prefills: each contender's timed run gives the first token `generate` gives for
+    that policy, HF's prefill of the same weights the same token as full KV; the ratios are of the medians; the
+    clustering is timed alone beside the prefill that includes it. The CLI writes JSON, markdown and a plot for a
+    synthetic geometry (random tokens, HF built from the same random weights)."""
+    from clusterkv_jax.bench.prefill import bench_prefill
+    from clusterkv_jax.cli import main
+
+    prompts = np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 300)).astype(np.int32)
+    policies = {"full": FullKV(), "clusterkv@32": ClusterKV(budget=32, **SMALL)}
+    results = bench_prefill(PARAMS, CFG, policies, [150, 300], batch=2, repeats=2,
+                            prompt_fn=lambda c, b: prompts[:b, :c], hf_model=hf_model_from_params(CFG, PARAMS),
+                            progress=False)
+    model = Model(config=CFG, params=PARAMS, tokenizer=None)
+    for context in (150, 300):
+        row = results["contexts"][str(context)]
+        assert set(row) == {"full", "clusterkv@32", "hf-full"}
+        for name, policy in policies.items():
+            expected = generate(model, prompts[0, :context].tolist(), 1, policy=policy, stop_at_eos=False)
+            assert row[name]["first_token"] == expected.tokens[0][0], (context, name)
+        assert row["hf-full"]["first_token"] == row["full"]["first_token"]
+        for r in row.values():
+            assert len(r["runs_s"]) == 2 and r["prefill_s"] == pytest.approx(np.median(r["runs_s"]))
+            assert r["vs_hf"] == pytest.approx(r["prefill_s"] / row["hf-full"]["prefill_s"])
+        assert row["clusterkv@32"]["vs_full"] == pytest.approx(row["clusterkv@32"]["prefill_s"]
+                                                               / row["full"]["prefill_s"])
+        assert row["clusterkv@32"]["indexing_s"] > 0 and "indexing_s" not in row["full"]
+    out = tmp_path / "prefill"
+    assert main(["bench", "prefill", "--synthetic", "smollm2-135m", "--layers", "2", "--context", "600",
+                 "--budgets", "64", "--repeats", "1", "--out", str(out)]) == 0
+    data = json.loads((out / "prefill.json").read_text())
+    assert set(data["contexts"]["600"]) == {"full", "clusterkv@64", "hf-full"} and data["hf"]
+    assert (out / "prefill.png").stat().st_size > 0 and "| hf-full |" in (out / "prefill.md").read_text()
+    assert main(["bench", "prefill", "--model", str(tmp_path), "--layers", "1"]) == 2  # --layers: synthetic only
+
+
 def test_bench_decode_offloaded_runs_beside_its_on_device_twin_and_reports_the_recall_hit_rate():
     from clusterkv_jax.bench.report import format_decode_context
     from clusterkv_jax.offload import hit_rates

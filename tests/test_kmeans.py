@@ -199,6 +199,36 @@ def test_assignment_picks_a_most_similar_allowed_cluster(C):
     np.testing.assert_array_equal(label[clear], sim.argmax(-1)[p_idx, n_idx][clear])
 
 
+@pytest.mark.parametrize("C", [7, 200])
+def test_assignment_in_chunks_of_keys_is_the_documented_rule(C, monkeypatch):
+    """Where the similarities of all keys at once would pass `ASSIGN_BLOCK_BYTES`, keys are assigned in chunks
+    (multiples of 1,024; the last one padded): the labels are still the NumPy rule's, key for key, and a whole
+    K-means run equals the NumPy reference."""
+    from clusterkv_jax import kmeans
+
+    rng = np.random.default_rng(C)
+    P, N, H = 2, 2500, 16
+    keys = rng.normal(size=(P, N, H)).astype(np.float32) + rng.normal(size=(P, 1, H)).astype(np.float32)
+    unit = keys / np.linalg.norm(keys, axis=-1, keepdims=True)
+    d = rng.normal(size=(P, C, H)).astype(np.float32)
+    d /= np.linalg.norm(d, axis=-1, keepdims=True)
+    valid = rng.random((P, N)) < 0.9
+    num = np.array([C, max(1, C // 3)], np.int32)
+    monkeypatch.setattr(kmeans, "ASSIGN_BLOCK_BYTES", 1)  # the smallest chunk: 1,024 keys, so 3 chunks
+    got = np.asarray(kmeans._assign(jnp.asarray(unit), jnp.asarray(valid), jnp.asarray(d),
+                                    jnp.asarray(np.arange(C)[None] < num[:, None])))
+    for p in range(P):
+        np.testing.assert_array_equal(got[p], numpy_assign(unit[p], valid[p], d[p], num[p]))
+    jax.clear_caches()  # `kmeans_from_directions` is jitted: trace it anew under the patched size
+    result = kmeans_from_directions(jnp.asarray(keys), jnp.asarray(valid), jnp.asarray(num), jnp.asarray(d),
+                                    max_iters=4)
+    for p in range(P):
+        labels, centroids, _ = numpy_cosine_kmeans(keys[p], valid[p], num[p], d[p].copy(), 4)
+        np.testing.assert_array_equal(np.asarray(result.labels[p]), labels)
+        np.testing.assert_allclose(np.asarray(result.centroids[p]), centroids, atol=1e-5)
+    jax.clear_caches()
+
+
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), C=st.integers(1, 9), nonfinite=st.sampled_from([np.nan, np.inf, -np.inf]))
 def test_kmeans_outputs_are_finite_wherever_the_counted_keys_are(seed, C, nonfinite):

@@ -148,3 +148,79 @@ def test_either_layer_loop_over_either_parameter_layout_gives_the_same_logits():
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=str(key))
         for got, want in zip(state, reference_state, strict=True):  # the selecting layers' states, in model order
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=str(key))
+
+
+@pytest.mark.parametrize("window, cap", [(None, None), (100, None), (None, 30.0), (300, 30.0)])
+def test_prompt_attention_kernels_equal_the_reference(window, cap):
+    """The prompt's attention goes through the platform's fused kernel (`kernels.prompt_attention`): JAX's Pallas
+    splash attention on a TPU (run here in interpret mode), cuDNN's through `jax.nn.dot_product_attention` on a
+    CUDA GPU (its arguments checked here with the same call's XLA implementation). Both equal the [T, T]
+    reference with grouped-query heads, a window, soft-capped scores and a prompt that is not a whole number of
+    blocks."""
+    from clusterkv_jax import attention, kernels
+
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((2, 700, 6, 64)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((2, 700, 2, 64)), jnp.float32) for _ in range(2))
+    want = np.asarray(attention.causal_attention_reference(q, k, v, window, cap))
+    if window is not None:  # the window binds: what the kernels are given matters
+        assert np.abs(want - np.asarray(attention.causal_attention_reference(q, k, v, None, cap))).max() > 0.1
+    got = kernels.splash_prompt_attention(q, k, v, window=window, cap=cap, block=256, interpret=True)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=1e-5)
+    if cap is None:  # cuDNN's attention has no soft cap: such layers fall back to XLA (`prompt_attention_impl`)
+        got = kernels.dot_product_prompt_attention(q, k, v, window=window, implementation="xla")
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=1e-5)
+
+
+def test_prefill_through_the_tpu_kernel_gives_the_same_logits(caplog):
+    """A tiny Gemma-2-like model (soft-capped scores, windowed layers among global ones): prefill logits at every
+    position with the prompt's attention in splash attention (TPU's kernel, interpret mode) equal those in XLA.
+    And where a GPU's kernel cannot take a layer, it falls back and says so once."""
+    from clusterkv_jax import ClusterKV, ModelConfig, kernels, model
+    from pallas_kernels import dispatch
+
+    config = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=4, num_heads=4,
+                         num_kv_heads=2, head_dim=8, max_position_embeddings=1024, sliding_window=40,
+                         attn_logit_softcapping=20.0, layer_types=["sliding_attention", "full_attention"] * 2)
+    policy = ClusterKV(budget=64, sinks=4, tokens_per_cluster=8, full_layers=1)
+    params = model.init_params(config, jax.random.key(3))
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (2, 300)))
+    out = {}
+    for impl in ("xla", "splash"):
+        with kernels.forced_prompt_attention(impl, interpret=True):
+            logits, _ = jax.jit(lambda p, c: model.forward_prefill(
+                p, config, policy, ids, jnp.array([300, 250]), c, all_logits=True))(
+                params, init_cache(config, policy, 2, 320, jnp.float32))
+            out[impl] = np.asarray(logits)
+    np.testing.assert_allclose(out["splash"], out["xla"], rtol=1e-5, atol=1e-5)
+
+    class CudaDevice:  # what `prompt_attention_impl` asks of a device
+        platform, compute_capability = "gpu", "9.0"
+
+    kernels._said.clear()
+    with dispatch.compile_for(CudaDevice()), caplog.at_level("WARNING", logger="clusterkv_jax"):
+        assert kernels.prompt_attention_impl(jnp.bfloat16, None) == ("cudnn", None)
+        for _ in range(2):
+            kernels.prompt_attention(*(jnp.zeros((1, 8, 2, 8), jnp.bfloat16),) * 3, cap=20.0)
+            kernels.prompt_attention(*(jnp.zeros((1, 8, 2, 8), jnp.float32),) * 3)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and "soft-capped" in said[0] and "float32" in said[1], said
+
+
+def test_the_mlp_over_a_long_prompt_in_chunks_gives_the_same_logits(monkeypatch):
+    """A prompt longer than `model.MLP_CHUNK` goes through each layer's MLP a chunk of tokens at a time (the last
+    chunk padded): prefill logits at every position equal those of the whole prompt at once."""
+    from clusterkv_jax import ModelConfig, model
+
+    config = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
+                         num_kv_heads=2, head_dim=8, max_position_embeddings=512)
+    params = model.init_params(config, jax.random.key(5))
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, config.vocab_size, (2, 300)))
+    out = {}
+    for chunk in (64, 4096):
+        monkeypatch.setattr(model, "MLP_CHUNK", chunk)
+        logits, _ = jax.jit(lambda p, c: model.forward_prefill(p, config, FullKV(), ids, jnp.array([300, 200]), c,
+                                                               all_logits=True))(
+            params, init_cache(config, FullKV(), 2, 320, jnp.float32))
+        out[chunk] = np.asarray(logits)
+    np.testing.assert_allclose(out[64], out[4096], rtol=1e-5, atol=1e-5)

@@ -187,6 +187,65 @@ def test_a_peer_that_never_joins_ends_with_one_line(tiny, process_id):
     assert_one_line_error(r, f"process {process_id} of 2: not every process joined", "within 3 s")
 
 
+@pytest.mark.parametrize("how", ["killed", "failed"])
+def test_a_peer_lost_after_joining_ends_the_other_in_seconds(how):
+    """Two processes join; then process 1 is killed, or ends with an error as the CLI ends one, while process 0
+    waits in a collective with it. Process 0 once waited for JAX's heartbeat time-out (about 100 s) and was then
+    aborted from C++ with a stack trace (exit 134); the failed one waited as long at JAX's shutdown. Now process 0
+    ends within seconds with its error (the collective's broken connection, or the peer's failure named), and a
+    failed process ends at once with its own line."""
+    start = time.monotonic()
+    port = free_port()
+    p0, p1 = run_together([[sys.executable, "-m", "tests.multiprocess_check", "lose", how, "--coordinator",
+                            f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)] for i in range(2)],
+                          env_with_devices(1), limit=150)
+    assert time.monotonic() - start < 60
+    assert p0.returncode == 1 and "Terminating process" not in p0.stderr, p0.stderr[-3000:]
+    assert ("Connection closed by peer" in p0.stderr or "process 1 ended with an error" in p0.stderr
+            or "process 1 has given no sign of life" in p0.stderr), p0.stderr[-3000:]
+    if how == "failed":
+        assert_one_line_error(p1, "check: error: this process failed")
+
+
+def test_a_peer_killed_before_its_end_ends_the_other_with_one_line(tiny):
+    """The CLI: process 1 is killed once it has generated (when it prints what it holds), before it ends. Process 0,
+    done too, once waited at JAX's shutdown for it until the runtime aborted from C++ (about 100 s, exit 134). Now it
+    ends with one line naming the silent process, in seconds."""
+    import threading
+
+    port = free_port()
+    commands = [[sys.executable, "-m", "clusterkv_jax.cli", "generate", "--model", tiny, "--prompt", "word " * 40,
+                 "--max-new-tokens", "40", "--mesh", "data=2", *distributed(i, port)] for i in range(2)]
+    env = env_with_devices(1)
+    start = time.monotonic()
+    procs = [subprocess.Popen(c, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for c in commands]
+    errs = ["", ""]
+
+    def read(i):
+        for line in procs[i].stderr:
+            errs[i] += line
+            if i == 1 and "of the parameters" in line:
+                procs[1].kill()
+
+    readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(2)]
+    for r in readers:
+        r.start()
+    try:
+        procs[0].wait(timeout=150)
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"process 0 did not end after its peer was killed:\n{errs[0][-3000:]}")
+    procs[1].wait(timeout=30)
+    for r in readers:
+        r.join(timeout=10)
+    assert time.monotonic() - start < 90
+    assert procs[1].returncode == -9, (procs[1].returncode, errs[1][-2000:])
+    r = subprocess.CompletedProcess(commands[0], procs[0].returncode, procs[0].stdout.read(), errs[0])
+    assert_one_line_error(r, "clusterkv: error: process 0 of 2: process 1 has given no sign of life")
+
+
 def test_processes_started_with_different_commands_each_name_the_difference(tiny, tmp_path):
     """Two processes of one run given different meshes, prompts or checkpoints once hung in a collective, aborted
     with a C++ stack trace (gloo's "collective mismatch") or generated from different models without a word. Now

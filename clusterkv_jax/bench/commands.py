@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -113,6 +114,40 @@ def cmd_decode(args) -> int:
     return _report(results, args, "decode", format_decode(results), f"decode speed: {label}, batch {args.batch}")
 
 
+def cmd_prefill(args) -> int:
+    from clusterkv_jax.bench.decode import make_policies
+    from clusterkv_jax.bench.prefill import bench_prefill, format_prefill, plot_prefill
+
+    if args.layers is not None and not args.synthetic:
+        raise ValueError("--layers applies to --synthetic geometries only")
+    if args.compare_hf:
+        try:
+            import torch  # noqa: F401
+            import transformers  # noqa: F401
+        except ImportError as e:
+            raise ValueError(f"HF transformers' prefill needs torch and transformers ({e}); install the test extra "
+                             "(pip install -e '.[test]') or pass --no-compare-hf") from e
+    policies = make_policies(args.policies, args.budgets, policy_options=policy_options(args))
+    config, params, prompt_fn, label = _bench_model(args)
+    hf_model = None
+    if args.compare_hf:
+        from clusterkv_jax.bench.hf import hf_model_from_params, same_device_as_jax
+
+        hf_model = hf_model_from_params(config, params, args.dtype, device=same_device_as_jax())
+    results = bench_prefill(params, config, policies, args.context, batch=args.batch, repeats=args.repeats,
+                            prompt_fn=prompt_fn, seed=args.seed, hf_model=hf_model)
+    results["model"] = label
+    text, title = format_prefill(results), f"prefill: {label}, batch {args.batch}"
+    print(text)
+    if args.out:
+        from clusterkv_jax.eval.report import write_outputs
+
+        paths = write_outputs(results, args.out, "prefill", f"# {title}\n\n{text}\n",
+                              lambda path: plot_prefill(results, path, title))
+        print("wrote " + ", ".join(paths.values()), file=sys.stderr)
+    return 0
+
+
 def cmd_attention(args) -> int:
     import jax.numpy as jnp
 
@@ -132,7 +167,7 @@ def cmd_attention(args) -> int:
 
 def register(sub) -> None:
     """Adds `bench` and its subcommands to the top-level parser's subparsers `sub`."""
-    bench = sub.add_parser("bench", help="benchmarks: decode, attention, offload")
+    bench = sub.add_parser("bench", help="benchmarks: decode, prefill, attention, offload")
     bench = bench.add_subparsers(dest="bench_command", required=True)
     o = bench.add_parser("offload", help="ClusterKV with host-offloaded KV: recall-cache hit rates, KV bytes, "
                                          "clustering share", formatter_class=HelpFormatter)
@@ -181,6 +216,14 @@ def register(sub) -> None:
     dec.add_argument("--decode-loop", action="store_true",
                      help="also time generate's decode loop as one program and in the chunks that let Ctrl-C stop "
                           "it (the cost of stopping within a second)")
+    pre = bench_parser("prefill", "time to first token of each policy vs full KV and HF transformers, indexing share",
+                       cmd_prefill, [2000, 8000], "full,clusterkv")
+    pre.add_argument("--repeats", type=positive_int, default=3, help="interleaved runs per contender (median)")
+    pre.add_argument("--layers", type=positive_int, default=None, help="--synthetic only: number of layers")
+    pre.add_argument("--text", default=None, help="prompt text, a long UTF-8 file (default: a document generated as "
+                     "`clusterkv demo`'s)")
+    pre.add_argument("--compare-hf", action=argparse.BooleanOptionalAction, default=True,
+                     help="HF transformers' prefill of the same weights in the same run (needs torch)")
     att = bench_parser("attention", "one layer's decode attention alone: full vs select + gather + attend",
                        cmd_attention, [8000, 16000, 32000], "full,clusterkv,quest")
     att.add_argument("--repeats", type=positive_int, default=20)

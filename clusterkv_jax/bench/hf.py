@@ -1,4 +1,5 @@
-"""HF transformers' full-KV decode of the same weights, for `clusterkv bench decode --compare-hf`.
+"""HF transformers' full-KV decode and prefill of the same weights, for `clusterkv bench decode --compare-hf` and
+`clusterkv bench prefill`.
 
 Needs torch and transformers (the test extras). The HF model is built from our parameters, so both sides run
 the same weights in the same dtype; `tests/test_bench.py` checks that its logits match ours.
@@ -40,9 +41,9 @@ def hf_config(config: ModelConfig):
     )
 
 
-def hf_model_from_params(config: ModelConfig, params, dtype: str = "float32"):
+def hf_model_from_params(config: ModelConfig, params, dtype: str = "float32", device: str | None = None):
     """transformers LlamaForCausalLM holding our parameters (`params_to_hf_state_dict`: the converter's
-    HF layout, inverted)."""
+    HF layout, inverted), on torch's `device` (default: the CPU)."""
     import torch
     from transformers import LlamaForCausalLM
 
@@ -57,7 +58,30 @@ def hf_model_from_params(config: ModelConfig, params, dtype: str = "float32"):
                          f"unexpected {result.unexpected_keys[:3]}")
     if config.tie_word_embeddings:
         model.tie_weights()
-    return model.eval()
+    return model.eval() if device is None else model.eval().to(device)
+
+
+def same_device_as_jax() -> str | None:
+    """torch's device for the accelerator JAX runs on ("cuda" when JAX's first device is a GPU and torch sees
+    one), else None (the CPU): HF's figures then compare with ours on the same hardware."""
+    import torch
+
+    return "cuda" if jax.devices()[0].platform == "gpu" and torch.cuda.is_available() else None
+
+
+def hf_prefill(model, prompts: np.ndarray) -> tuple[float, int]:
+    """(seconds of HF's prefill of prompts [B, T] (its own cache, the last position's logits), synchronised with
+    the device; sequence 0's greedy next token)."""
+    import torch
+
+    ids = torch.from_numpy(np.asarray(prompts, np.int64)).to(model.device)
+    with torch.inference_mode():
+        start = time.perf_counter()
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        if ids.is_cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    return seconds, int(out.logits[0, -1].argmax())
 
 
 class HFDecoder:
@@ -67,22 +91,28 @@ class HFDecoder:
         import torch
 
         self.model, self.torch = model, torch
-        ids = torch.from_numpy(np.asarray(prompts, np.int64))
+        ids = torch.from_numpy(np.asarray(prompts, np.int64)).to(model.device)
         self.batch = ids.shape[0]
         with torch.inference_mode():
             start = time.perf_counter()
             # The last position's logits only, as transformers' own `generate` computes a prompt (ours does too):
             # all of them would add a [T, V] LM-head product (a few seconds at 8k tokens) to HF's prefill.
             out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+            self._sync()
             self.prefill_s = time.perf_counter() - start
         self.past, self.token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
         self.tokens = [int(self.token[0, 0])]
+
+    def _sync(self) -> None:
+        if self.model.device.type == "cuda":
+            self.torch.cuda.synchronize()
 
     def step(self) -> float:
         """One decode step; returns its seconds."""
         with self.torch.inference_mode():
             start = time.perf_counter()
             out = self.model(input_ids=self.token, past_key_values=self.past, use_cache=True)
+            self._sync()
             seconds = time.perf_counter() - start
         self.past, self.token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
         self.tokens.append(int(self.token[0, 0]))

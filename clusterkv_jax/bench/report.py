@@ -99,8 +99,10 @@ def format_offload(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot_decode(results: dict[str, Any], path: str, title: str) -> None:
-    """Decode ms/token (or one layer's ms) and speed-up over full KV against context, a line per policy."""
+def plot_contexts(results: dict[str, Any], path: str, title: str, panels: list[tuple[Any, str, bool]],
+                  level: float | None = 1.0) -> None:
+    """One panel per (value of a row, y label, log y) in `panels` against context, a line per contender; the value
+    is a row's key or a function of the row. The last panel gets a grey line at `level` (a ratio's 1)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -108,26 +110,35 @@ def plot_decode(results: dict[str, Any], path: str, title: str) -> None:
 
     contexts = [int(c) for c in results["contexts"]]
     names = list(dict.fromkeys(n for row in results["contexts"].values() for n in row))
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4))
     for i, name in enumerate(names):
         xs = [c for c in contexts if name in results["contexts"][str(c)]]
         rows = [results["contexts"][str(c)][name] for c in xs]
-        key = "decode_ms" if "decode_ms" in rows[0] else "ms"
-        axes[0].plot(xs, [r[key] for r in rows], marker="o", label=name, color=f"C{i}")
-        axes[1].plot(xs, [r["speedup_vs_full"] for r in rows], marker="o", label=name, color=f"C{i}")
-    for ax, label in zip(axes, ["ms per decode step" if "decode" in results else "ms per call",
-                                "speed-up over full KV"]):
+        for ax, (value, _, _) in zip(axes, panels):
+            get = value if callable(value) else (lambda r, key=value: r[key])
+            ax.plot(xs, [get(r) for r in rows], marker="o", label=name, color=f"C{i}")
+    for ax, (_, label, log) in zip(axes, panels):
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
+        if log:
+            ax.set_yscale("log")
         ax.set_xlabel("context (tokens)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    axes[1].axhline(1.0, color="grey", lw=0.8)
+    if level is not None:
+        axes[-1].axhline(level, color="grey", lw=0.8)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_decode(results: dict[str, Any], path: str, title: str) -> None:
+    """Decode ms/token (or one layer's ms) and speed-up over full KV against context, a line per policy."""
+    plot_contexts(results, path, title, [
+        (lambda r: r["decode_ms"] if "decode_ms" in r else r["ms"],
+         "ms per decode step" if "decode" in results else "ms per call", True),
+        ("speedup_vs_full", "speed-up over full KV", True)])
 
 
 def write_bench(results: dict[str, Any], out_dir: str, name: str, text: str, title: str) -> dict[str, str]:
