@@ -202,14 +202,15 @@ def _at_exit() -> None:
     """At exit, before JAX's own shutdown (atexit runs the later registration first), which waits at a barrier for
     every peer: a lost one never comes, and after its heartbeat time-out (100 s) the runtime aborts from C++. So a
     process that failed ends here; one that ended normally says so, then waits until every peer has ended its run
-    as well, still watching them (a peer lost meanwhile ends this one with its line), and only then shuts down."""
+    as well (at most `DEFAULT_TIMEOUT` seconds), still watching them (a peer lost meanwhile ends this one with its
+    line), and only then shuts down."""
     if "ended" not in _watch:
         end_run(0)
     if _watch["ended"] != 0:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(_watch["ended"])
-    _watch["peers_ended"].wait()
+    _watch["peers_ended"].wait(DEFAULT_TIMEOUT)  # a peer alive but never ending: JAX's shutdown decides, as before
     _watch["stop"].set()
 
 

@@ -201,8 +201,10 @@ def test_a_peer_lost_after_joining_ends_the_other_in_seconds(how):
                           env_with_devices(1), limit=150)
     assert time.monotonic() - start < 60
     assert p0.returncode == 1 and "Terminating process" not in p0.stderr, p0.stderr[-3000:]
-    assert ("Connection closed by peer" in p0.stderr or "process 1 ended with an error" in p0.stderr
-            or "process 1 has given no sign of life" in p0.stderr), p0.stderr[-3000:]
+    # gloo's error from the broken collective (its words vary: "closed by peer", "reset by peer"), or the watcher's.
+    assert any(said in p0.stderr for said in ("Connection closed by peer", "Connection reset by peer",
+                                              "process 1 ended with an error", "process 1 has given no sign of life")
+               ), p0.stderr[-3000:]
     if how == "failed":
         assert_one_line_error(p1, "check: error: this process failed")
 
