@@ -7,10 +7,12 @@ and gets back the attention output, the layer group's store and the layer's poli
   layout puts each position, once it has indexed the keys) and attention is causal over the prompt.
 - `PrefillChunk`: one chunk of a longer prompt: its K/V are written in position order and it attends to the
   rows so far; `index_prompt` then indexes the selecting layers as `Prefill` would have.
-- `Decode`: one new token per sequence. It is written where the policy keeps it; a full layer attends to
-  every row; a selecting layer (`decode_selecting`) indexes its window when due, then attends
+- `Decode`: one new token per sequence. Before the layers, the selecting layers index their windows where due
+  (`index_windows`, one branch for the step). The token is written where the policy keeps it; a full layer attends
+  to every row; a selecting layer (`decode_selecting`) attends
     - to every token its store holds, when the selection would hold them all (`KVPolicy.covers` decided
-      statically from the capacity, `covers_now` at run time for a store in device memory), as full KV does;
+      statically from the capacity, `covers_now` at run time for a store in device memory, except on a GPU:
+      `kernels.branches_wait_for_host`), as full KV does;
     - otherwise to the policy's `Selection` and the window, read one of three ways: in place through a page table
       (`kernels.selected_attention`: kernels "pallas", "tpu" or "interpret", a device store, a ring window, no
       mesh), a tile of (sequence, KV head) pairs at a time (a CPU whose selected rows outgrow its cache), or
@@ -250,12 +252,11 @@ def write_prompt(cache, keys: jax.Array, values: jax.Array, lengths: jax.Array, 
 # ----------------------------------------------------------------------------------------------------------
 
 
-def index_window(policy, state, view, lengths: jax.Array, prompt_lengths: jax.Array, rows_of=None):
-    """`policy.index_recent` with the window's keys read from the layer's store `view`; `rows_of(positions)` gives
-    their rows (default: `token_rows`, the policy's own layout). Returns the state."""
+def window_keys(policy, state, view, lengths: jax.Array, prompt_lengths: jax.Array, rows_of=None):
+    """A function returning the keys [B, K, W, H] of the window's positions [window_start, window_start + W) from
+    the layer's store `view`; `rows_of(positions)` gives their rows (default: `token_rows`, the policy's own
+    layout)."""
     W = policy.window_size(view.positions)
-    if not W:
-        return state
     start = policy.window_start(state, lengths, prompt_lengths)
     if rows_of is None:
         rows_of = lambda p: policy.token_rows(state, p, view.positions)  # noqa: E731
@@ -264,23 +265,80 @@ def index_window(policy, state, view, lengths: jax.Array, prompt_lengths: jax.Ar
         positions = jnp.minimum(start[:, None] + jnp.arange(W), view.positions - 1)  # [B, W]
         return view.window(rows_of(positions))[0]
 
-    return policy.index_recent(state, recent_keys, lengths, prompt_lengths)
+    return recent_keys
+
+
+def index_window(policy, state, view, lengths: jax.Array, prompt_lengths: jax.Array, rows_of=None):
+    """`policy.index_recent` (under its own branch) with the window's keys read from the layer's store `view`
+    (`window_keys`), `lengths` [B] the tokens stored. Returns the state."""
+    if not policy.window_size(view.positions):
+        return state
+    return policy.index_recent(state, window_keys(policy, state, view, lengths, prompt_lengths, rows_of), lengths,
+                               prompt_lengths)
+
+
+def index_windows(policy, groups, lengths: jax.Array, prompt_lengths: jax.Array, capacity: int):
+    """Before a decode step's layers: every selecting layer whose window is due (`KVPolicy.recent_due`, lengths
+    [B] the tokens stored before this step) indexes it (`index_due`: ClusterKV's decode-time clusters, Quest's
+    pages) and its store moves those rows where the policy's layout puts them (`recent_moves`). Returns the groups.
+
+    All layers are indexed under one `lax.cond` for the step, skipped on the steps where none is due: on a GPU
+    each branch waits for the host (`kernels.branches_wait_for_host`), and one per layer cost a wait per layer on
+    every step. The window's tokens are all stored already, so no layer needs this step's own token. The rows'
+    moves run outside the branch: a conditional that returns a store may make XLA:GPU copy it
+    (`LayerView.commit_window`)."""
+    picked = [j for j, group in enumerate(groups) if group.selecting]
+    if not picked or not policy.window_size(capacity):
+        return groups
+    first = jax.tree.map(lambda s: s[0], groups[picked[0]].state)
+    if policy.recent_due(first, lengths) is None:
+        return groups
+    states = tuple(groups[j].state for j in picked)
+    dues = tuple(jax.vmap(lambda s: policy.recent_due(s, lengths))(state) for state in states)  # [n, B] each
+
+    def per_layer(fn, n):  # fn(i) for each of a group's n layers, stacked: unrolled for one, else a loop
+        return jax.tree.map(lambda x: x[None], fn(0)) if n == 1 else jax.lax.map(fn, jnp.arange(n))
+
+    def index_all(states):
+        out = []
+        for j, state, due in zip(picked, states, dues):
+            store = groups[j].store
+
+            def index_layer(i, store=store, state=state, due=due):
+                layer_state = jax.tree.map(lambda s: s[i], state)
+                keys = window_keys(policy, layer_state, store.layer(i, capacity), lengths, prompt_lengths)
+                return policy.index_due(layer_state, keys, due[i], prompt_lengths)
+
+            out.append(per_layer(index_layer, groups[j].num_layers))
+        return tuple(out)
+
+    with jax.named_scope("index"):
+        indexed = jax.lax.cond(jnp.any(jnp.stack([jnp.any(d) for d in dues])), index_all, lambda s: s, states)
+        groups = list(groups)
+        for j, old, new in zip(picked, states, indexed):
+            def commit(i, store, old=old, new=new):
+                moves = policy.recent_moves(jax.tree.map(lambda s: s[i], old), jax.tree.map(lambda s: s[i], new))
+                return store if moves is None else store.layer(i, capacity).commit_window(*moves).store
+
+            n, store = groups[j].num_layers, groups[j].store
+            store = commit(0, store) if n == 1 else jax.lax.fori_loop(0, n, commit, store)
+            groups[j] = groups[j].replace(store=store, state=new)
+    return tuple(groups)
 
 
 def decode_selecting(policy, state, q: jax.Array, view, lengths: jax.Array, prompt_lengths: jax.Array,
                      cap: float | None = None):
-    """One selecting layer's decode attention, from its store `view` (this layer, the new token's row written):
-    q [B, N, H], lengths [B] the new token included, scores soft-capped by `cap`. Returns (output [B, N, H]
-    float32, state, view)."""
+    """One selecting layer's decode attention, from its store `view` (this layer, the new token's row written;
+    its window indexed before the step: `index_windows`): q [B, N, H], lengths [B] the new token included,
+    scores soft-capped by `cap`. Returns (output [B, N, H] float32, state, view)."""
     with jax.named_scope("index"):
-        indexed = index_window(policy, state, view, lengths, prompt_lengths)
-        moves = policy.recent_moves(state, indexed)
-        if moves is not None:
-            view = view.commit_window(*moves)
-        state = policy.observe_decode(indexed, q, view, lengths, prompt_lengths)
+        state = policy.observe_decode(state, q, view, lengths, prompt_lengths)
     if policy.covers(view.positions):
         return attend_everything(policy, state, q, view, lengths, cap), state, view
-    everything = None if view.store.on_host else policy.covers_now(state, lengths, prompt_lengths)
+    # Whether every indexed token fits the selection is known only on the device. Where a branch waits for the
+    # host (a GPU), the selection is attended anyway: with every cluster selected whole it holds the same tokens.
+    everything = (None if view.store.on_host or kernels.branches_wait_for_host()
+                  else policy.covers_now(state, lengths, prompt_lengths))
     if everything is None:
         out, view = attend_selected(policy, state, q, view, lengths, prompt_lengths, cap)
         return out, state, view

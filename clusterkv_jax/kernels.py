@@ -74,6 +74,34 @@ def resolve(mode: str, op: str | None = None) -> str:
         "for tests).")
 
 
+def branches_wait_for_host() -> bool:
+    """Whether a `lax.cond` in a program for the device being traced for stops the host until the device gets
+    there: XLA:GPU runs a conditional by copying its predicate to the host and waiting for the copy
+    (`ConditionalThunk`; a while loop's predicate likewise, each iteration), so each one drains the device's queue
+    and the kernels after it start only as the host launches them. A decode step on a GPU therefore branches only
+    where a branch saves more than a launch gap (docs/research_log.md). XLA:TPU and XLA:CPU decide on the device
+    or in the same thread, at no such cost."""
+    if _branch_override:
+        return _branch_override[-1]
+    return dispatch.on_gpu()
+
+
+_branch_override: list[bool] = []
+
+
+@contextlib.contextmanager
+def forced_branches_wait_for_host(wait: bool):
+    """Traces as if `branches_wait_for_host()` were `wait` inside this block (tests: the CPU traces a GPU's
+    branch-free decode step). Entering and leaving clear JAX's caches, as `forced_layer_loop` does."""
+    jax.clear_caches()
+    _branch_override.append(bool(wait))
+    try:
+        yield
+    finally:
+        _branch_override.pop()
+        jax.clear_caches()
+
+
 #: How the model runs its layers (`layer_loop`).
 LAYER_LOOPS = ("unrolled", "scanned")
 _layer_loop_override: list[str] = []

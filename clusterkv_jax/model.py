@@ -419,9 +419,10 @@ def forward_decode(
     cache: KVCache,
 ) -> tuple[jax.Array, KVCache]:
     """Appends one token per sequence at position `cache.lengths` and returns its logits [B, V]."""
+    groups = attend_module.index_windows(policy, cache.groups, cache.lengths, cache.prompt_lengths, cache.capacity)
     step = attend_module.Decode(policy, cache.lengths, cache.prompt_lengths, cache.capacity,
                                 config.attn_logit_softcapping)
     x, groups = _run_layers(params, config, cache, _embed(params, config, tokens)[:, None], cache.lengths[:, None],
-                            cache.lengths + 1, step)
+                            cache.lengths + 1, step, groups)
     logits = _logits(params, config, x[:, 0])
     return logits, cache.replace(groups=groups, lengths=cache.lengths + 1)

@@ -369,6 +369,8 @@ def test_quest_pages_generated_tokens_every_page_size_steps():
     keys = np.stack([np.asarray(result.cache.layer_kv(layer)[0]) for layer in range(CONFIG.num_layers)])
     first = QUEST.full_layers
     for t, state in enumerate(result.states):  # t decode steps done
+        # A step pages the tokens stored before it (`attend.index_windows`): t steps paged the first t - 1.
+        paged = max(t - 1, 0)
         # Full layers never reach the policy: the state covers the selecting layers only.
         assert state.kmin.shape[0] == CONFIG.num_layers - first
         for layer in range(first, CONFIG.num_layers):
@@ -376,9 +378,9 @@ def test_quest_pages_generated_tokens_every_page_size_steps():
             i = layer - first
             start, plen, upto = state.page_start[i], state.page_len[i], state.indexed_upto[i]
             for b, Lp in enumerate(PROMPT_LENGTHS.tolist()):
-                pages, indexed_upto = np_quest_pages(Lp, Lp + t, ps)
+                pages, indexed_upto = np_quest_pages(Lp, Lp + paged, ps)
                 n_prompt = -(-Lp // ps)
-                assert len(pages) == n_prompt + t // ps, "one new page every page_size steps"
+                assert len(pages) == n_prompt + paged // ps, "one new page every page_size steps"
                 assert int(upto[b]) == indexed_upto
                 assert [(int(s), int(m)) for s, m in zip(start[b], plen[b]) if m > 0] == pages
                 assert not plen[b, len(pages):].any()

@@ -42,10 +42,19 @@ TOKENS = np.random.default_rng(0).integers(0, 128, (3, 448))
 LENGTHS = np.array([180, 120, 61])
 
 
-@pytest.mark.parametrize("gqa,init", [("per_head", "random"), ("shared", "kmeans++")])
-def test_budget_covering_everything_equals_full_kv(gqa, init):
+@pytest.mark.parametrize("gqa,init,branch_free", [("per_head", "random", False), ("shared", "kmeans++", False),
+                                                  ("per_head", "random", True)])
+def test_budget_covering_everything_equals_full_kv(gqa, init, branch_free):
+    """A budget that holds every token gives full KV's logits: where the step branches (CPU, TPU) it attends the
+    whole layer, and where it does not (a GPU's step, `kernels.branches_wait_for_host`, traced here) it attends
+    the selection of every cluster whole."""
+    import contextlib
+
+    from clusterkv_jax import kernels
+
     full, _ = run(FullKV(), TOKENS, LENGTHS, steps=36)
-    ours, cache = run(ClusterKV(budget=512, gqa=gqa, init=init, **SMALL), TOKENS, LENGTHS, steps=36)
+    with kernels.forced_branches_wait_for_host(True) if branch_free else contextlib.nullcontext():
+        ours, cache = run(ClusterKV(budget=512, gqa=gqa, init=init, **SMALL), TOKENS, LENGTHS, steps=36)
     np.testing.assert_allclose(ours, full, atol=1e-5)
     # Decode clustering fired twice (at 16 and 32 generated tokens) on every compressed layer (2 and 3).
     np.testing.assert_array_equal(np.asarray(cache.policy_state.clustered_upto), np.tile(LENGTHS + 32, (2, 1)))

@@ -154,10 +154,12 @@ def test_either_layer_loop_over_either_parameter_layout_gives_the_same_logits():
 def test_prompt_attention_kernels_equal_the_reference(window, cap):
     """The prompt's attention goes through the platform's fused kernel (`kernels.prompt_attention`): JAX's Pallas
     splash attention on a TPU (run here in interpret mode), cuDNN's through `jax.nn.dot_product_attention` on a
-    CUDA GPU (its arguments checked here with the same call's XLA implementation). Both equal the [T, T]
+    CUDA GPU (its arguments checked here with the same call's XLA implementation, and on such a GPU cuDNN itself in
+    bfloat16). Both equal the [T, T]
     reference with grouped-query heads, a window, soft-capped scores and a prompt that is not a whole number of
     blocks."""
     from clusterkv_jax import attention, kernels
+    from pallas_kernels import dispatch
 
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.standard_normal((2, 700, 6, 64)), jnp.float32)
@@ -170,6 +172,12 @@ def test_prompt_attention_kernels_equal_the_reference(window, cap):
     if cap is None:  # cuDNN's attention has no soft cap: such layers fall back to XLA (`prompt_attention_impl`)
         got = kernels.dot_product_prompt_attention(q, k, v, window=window, implementation="xla")
         np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=1e-5)
+    if cap is None and dispatch.kernels_supported():  # a CUDA GPU: cuDNN itself, in bfloat16 (all it takes)
+        q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+        want = np.asarray(attention.causal_attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), window))
+        got = kernels.dot_product_prompt_attention(q, k, v, window=window, implementation="cudnn")
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=2e-2)  # bfloat16's output rounding
 
 
 def test_prefill_through_the_tpu_kernel_gives_the_same_logits(caplog):

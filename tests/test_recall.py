@@ -83,8 +83,9 @@ def test_eval_recall_cli_on_smollm2(smollm2_converted_dir, tmp_path, capsys):
 
 
 def test_probe_scores_the_selection_made_after_indexing_due_tokens():
-    """At the step decode-time clustering is due, the probe scores what the policy would attend: the selection
-    made after the new clusters exist (they can displace prompt clusters), not before."""
+    """At the step decode-time clustering is due (the first with W generated tokens stored before it), the probe
+    scores what the policy would attend: the selection made after the new clusters exist (they can displace prompt
+    clusters), not before."""
     import jax.numpy as jnp
 
     from clusterkv_jax.attend import index_window
@@ -101,7 +102,7 @@ def test_probe_scores_the_selection_made_after_indexing_due_tokens():
     # The W generated tokens point along each KV head's queries: once clustered they outrank every prompt cluster.
     keys[:, :, P0:P0 + W] = 3.0 * np.asarray(q).reshape(B, K, 2, H).sum(2)[:, :, None, :] + 0.1 * keys[:, :, P0:P0 + W]
     keys[:, :, P0 + W:] = 0.0
-    prompt, lengths = jnp.array([P0], jnp.int32), jnp.array([P0 + W], jnp.int32)
+    prompt, lengths = jnp.array([P0], jnp.int32), jnp.array([P0 + W + 1], jnp.int32)  # this step's token included
     cfg = ModelConfig(vocab_size=8, hidden_size=N * H, intermediate_size=8, num_layers=3, num_heads=N,
                       num_kv_heads=K, head_dim=H)
     state = jax.tree.map(lambda x: x[0], probe.init_states(cfg, B, S, range(2, 3)))
@@ -117,7 +118,7 @@ def test_probe_scores_the_selection_made_after_indexing_due_tokens():
         idx, mask = np.asarray(idx), np.asarray(mask)
         return np.mean([len(set(top[0, n]) & set(idx[0, n][mask[0, n]].tolist())) / 24 for n in range(N)])
 
-    indexed = index_window(policy, state.inner[0], kv, lengths, prompt, rows_of=lambda x: x)  # a position store
+    indexed = index_window(policy, state.inner[0], kv, lengths - 1, prompt, rows_of=lambda x: x)  # a position store
     assert int(indexed.clustered_upto[0]) == P0 + W  # the generated tokens were clustered at this step
     now, late = token_recall(indexed), token_recall(state.inner[0])
     assert now < late, "the due clusters displace prompt clusters at this step"

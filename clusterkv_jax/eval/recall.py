@@ -97,9 +97,11 @@ class RecallProbe(KVPolicy):
         token_recall, mass_recall, inner = [], [], []
         for p, budget, s in zip(self.policies, self.budgets, state.inner):
             active = state.layer >= p.full_layers
-            # Advance the wrapped policy as it advances itself (decode-time clusters, pages, ...), then select. This
-            # store is position-ordered: the window's keys are read by position, whatever the policy's own layout.
-            s = jax.lax.cond(active, lambda s, p=p: index_window(p, s, kv, lengths, prompt_lengths, rows_of=lambda x: x),
+            # Advance the wrapped policy as it advances itself (decode-time clusters, pages, ... from the tokens
+            # stored before this step: `attend.index_windows`), then select. This store is position-ordered: the
+            # window's keys are read by position, whatever the policy's own layout.
+            s = jax.lax.cond(active, lambda s, p=p: index_window(p, s, kv, lengths - 1, prompt_lengths,
+                                                                 rows_of=lambda x: x),
                              lambda s: s, s)
             idx, mask = p.selected_positions(s, q, keys, lengths, prompt_lengths)
             if idx.shape[1] != N:  # one selection per KV head, shared by its query heads

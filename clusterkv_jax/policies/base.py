@@ -11,10 +11,12 @@ Prefill, per selecting layer: `observe_queries` (only with `prompt_queries` > 0:
 SnapKV and InfiniGen need), then `after_prefill` (index the prompt's keys), then `prompt_rows` (where each
 position goes in the store).
 
-Decode, per selecting layer: `index_recent` indexes the window of recent tokens the policy has not indexed yet
-when it is due (`recent_moves` says which store rows that moves), then `select` returns a `Selection` of the
-rows to attend beside the window. `covers` (static) and `covers_now` (traced) say when the selection would hold
-every token: attention then reads the whole layer, as full KV does, and costs what it costs.
+Decode: before the step's layers, each selecting layer whose window of recent tokens the policy has not indexed
+yet is due (`recent_due`) indexes it (`index_due`; `recent_moves` says which store rows that moves), all layers
+under one branch for the step (`clusterkv_jax.attend.index_windows`); then, per selecting layer, `select` returns
+a `Selection` of the rows to attend beside the window. `covers` (static) and `covers_now` (traced; not asked on a
+GPU, where a branch waits for the host) say when the selection would hold every token: attention then reads the
+whole layer, as full KV does, and costs what it costs.
 
 Layout: by default row r of a layer's store holds position r. A policy may arrange its layers otherwise
 (ClusterKV keeps each cluster's members in consecutive rows, so a selection reads whole blocks) through
@@ -173,13 +175,28 @@ class KVPolicy:
         """[B] first position of the window (positions below it are indexed, or sinks)."""
         return lengths
 
-    def index_recent(self, state: Any, recent_keys, lengths: jax.Array, prompt_lengths: jax.Array) -> Any:
-        """Indexes the window's tokens once enough have accumulated. `recent_keys()` returns the keys of
-        positions [window_start, window_start + W) as [B, K, W, H]; call it only when needed."""
+    def recent_due(self, state: Any, lengths: jax.Array) -> jax.Array | None:
+        """[B] whether each sequence's window is due for indexing, `lengths` [B] the tokens it has stored (the window
+        is indexed before the step that adds a token to it: it holds at most W tokens, the new one included).
+        None (the default): the policy never indexes a window."""
+        return None
+
+    def index_due(self, state: Any, recent_keys, due: jax.Array, prompt_lengths: jax.Array) -> Any:
+        """Indexes the window of each sequence where due [B] (`recent_due`), the others' state left as it was.
+        `recent_keys()` returns the keys of positions [window_start, window_start + W) as [B, K, W, H]."""
         return state
 
+    def index_recent(self, state: Any, recent_keys, lengths: jax.Array, prompt_lengths: jax.Array) -> Any:
+        """`index_due` for the sequences `recent_due` says, skipped (a `lax.cond`) when none is due. (A decode step
+        indexes every layer under one branch instead: `clusterkv_jax.attend.index_windows`.)"""
+        due = self.recent_due(state, lengths)
+        if due is None:
+            return state
+        return jax.lax.cond(jnp.any(due), lambda s: self.index_due(s, recent_keys, due, prompt_lengths),
+                            lambda s: s, state)
+
     def recent_moves(self, old_state: Any, new_state: Any) -> tuple[jax.Array, jax.Array] | None:
-        """After `index_recent` changed the state: the window rows [B, W] whose tokens move, and the rows they go
+        """After `index_due` changed the state: the window rows [B, W] whose tokens move, and the rows they go
         to, [B, K, W] (out of range: no move), or None when the layout never moves rows."""
         return None
 

@@ -102,7 +102,8 @@ def rank_and_index(
     The top `slots` clusters come from `lax.top_k` (no cluster beyond them can be taken: each takes a block).
     With `first`, the top `first` only, when they already fill the tokens or the slots of every problem (then
     nothing ranked below them is taken: the same result), else the top `slots` (`lax.cond`): on XLA:CPU a top_k
-    costs about its k (docs/research_log.md). The block indexing is `kernels.cluster_to_block_index` with implementation
+    costs about its k (docs/research_log.md). Not where a branch waits for the host (a GPU:
+    `kernels.branches_wait_for_host`). The block indexing is `kernels.cluster_to_block_index` with implementation
     `impl`.
     """
     scores = jnp.where(sizes > 0, scores, -jnp.inf)
@@ -116,7 +117,7 @@ def rank_and_index(
                                               block_size=block_size, impl=impl)
 
     every = min(slots, scores.shape[-1])
-    if first is None or first >= every:
+    if first is None or first >= every or kernels.branches_wait_for_host():  # a GPU: no branch (a host wait)
         return index(*ranked(every))
     top_sizes, top_starts = ranked(first)
     fills = ((jnp.sum(top_sizes, axis=-1) >= tokens)
@@ -344,11 +345,11 @@ class ClusterKV(KVPolicy):
     def window_start(self, state: ClusterIndex, lengths, prompt_lengths):
         return state.clustered_upto
 
-    def index_recent(self, state: ClusterIndex, recent_keys, lengths, prompt_lengths):
-        due = lengths - state.clustered_upto >= self.decode_interval  # [B]
-        return jax.lax.cond(
-            jnp.any(due), lambda s: self._cluster_recent(s, recent_keys(), due, prompt_lengths), lambda s: s, state
-        )
+    def recent_due(self, state: ClusterIndex, lengths):
+        return lengths - state.clustered_upto >= self.decode_interval  # [B]
+
+    def index_due(self, state: ClusterIndex, recent_keys, due, prompt_lengths):
+        return self._cluster_recent(state, recent_keys(), due, prompt_lengths)
 
     def _cluster_recent(self, state: ClusterIndex, recent, due, prompt_lengths):
         """Clusters the `decode_interval` tokens past `clustered_upto` of each due sequence (their keys: recent
@@ -400,7 +401,7 @@ class ClusterKV(KVPolicy):
         )
 
     def decode_changed_state(self, old_state: ClusterIndex, new_state: ClusterIndex):
-        # A decode step changes the index only when it clusters a window (`index_recent`).
+        # Only clustering a window changes the index (`index_due`), and that runs before the layers.
         return jnp.any(new_state.clustered_upto != old_state.clustered_upto)
 
     def recent_moves(self, old_state: ClusterIndex, new_state: ClusterIndex):

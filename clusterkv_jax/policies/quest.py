@@ -124,28 +124,27 @@ class Quest(KVPolicy):
     def window_start(self, state: QuestState, lengths, prompt_lengths):
         return state.indexed_upto
 
-    def index_recent(self, state: QuestState, recent_keys, lengths, prompt_lengths) -> QuestState:
-        """Pages the `page_size` generated tokens past `indexed_upto` of every sequence that has them
-        (paging first, so the window only ever holds the < page_size tokens not yet paged)."""
+    def recent_due(self, state: QuestState, lengths) -> jax.Array:
+        """A sequence with `page_size` stored tokens past `indexed_upto` and a free page slot pages them (before
+        the step, so the window holds at most page_size tokens, the new one included)."""
+        slot = jnp.sum(state.page_len > 0, axis=-1, dtype=jnp.int32)  # [B] first free page slot
+        return (lengths - state.indexed_upto >= self.page_size) & (slot < state.kmin.shape[2])
+
+    def index_due(self, state: QuestState, recent_keys, due, prompt_lengths) -> QuestState:
+        """The page of the `page_size` tokens past `indexed_upto` of each due sequence, in its first free slot."""
         P, ps = state.kmin.shape[2], self.page_size
         start = state.indexed_upto  # [B]
-        slot = jnp.sum(state.page_len > 0, axis=-1, dtype=jnp.int32)  # [B] first free page slot
-        ready = (lengths - start >= ps) & (slot < P)  # [B]
-
-        def append(state: QuestState) -> QuestState:
-            rows = recent_keys().astype(jnp.float32)  # [B, K, ps, H]
-            hit = (jnp.arange(P)[None, :] == slot[:, None]) & ready[:, None]  # [B, P]
-            hit4 = hit[:, None, :, None]  # [B, 1, P, 1]
-            return QuestState(
-                kmin=jnp.where(hit4, jnp.min(rows, axis=2)[:, :, None, :], state.kmin),
-                kmax=jnp.where(hit4, jnp.max(rows, axis=2)[:, :, None, :], state.kmax),
-                page_start=jnp.where(hit, start[:, None], state.page_start),
-                page_len=jnp.where(hit, ps, state.page_len),
-                indexed_upto=jnp.where(ready, start + ps, start),
-            )
-
-        # A page completes once every page_size steps: skip the gather and rewrite on the other steps.
-        return jax.lax.cond(jnp.any(ready), append, lambda s: s, state)
+        slot = jnp.sum(state.page_len > 0, axis=-1, dtype=jnp.int32)  # [B]
+        rows = recent_keys().astype(jnp.float32)  # [B, K, ps, H]
+        hit = (jnp.arange(P)[None, :] == slot[:, None]) & due[:, None]  # [B, P]
+        hit4 = hit[:, None, :, None]  # [B, 1, P, 1]
+        return QuestState(
+            kmin=jnp.where(hit4, jnp.min(rows, axis=2)[:, :, None, :], state.kmin),
+            kmax=jnp.where(hit4, jnp.max(rows, axis=2)[:, :, None, :], state.kmax),
+            page_start=jnp.where(hit, start[:, None], state.page_start),
+            page_len=jnp.where(hit, ps, state.page_len),
+            indexed_upto=jnp.where(due, start + ps, start),
+        )
 
     def covers(self, capacity: int) -> bool:
         return self.budget // self.page_size >= self.num_pages(capacity)
