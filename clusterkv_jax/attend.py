@@ -280,12 +280,14 @@ def index_window(policy, state, view, lengths: jax.Array, prompt_lengths: jax.Ar
 def index_windows(policy, groups, lengths: jax.Array, prompt_lengths: jax.Array, capacity: int):
     """Before a decode step's layers: every selecting layer whose window is due (`KVPolicy.recent_due`, lengths
     [B] the tokens stored before this step) indexes it (`index_due`: ClusterKV's decode-time clusters, Quest's
-    pages) and its store moves those rows where the policy's layout puts them (`recent_moves`). Returns the groups.
+    pages), the state takes what that adds (`add_indexed`) and the store moves those rows where the policy's layout
+    puts them (`recent_moves`). Returns the groups.
 
     All layers are indexed under one `lax.cond` for the step, skipped on the steps where none is due: on a GPU
     each branch waits for the host (`kernels.branches_wait_for_host`), and one per layer cost a wait per layer on
-    every step. The window's tokens are all stored already, so no layer needs this step's own token. The rows'
-    moves run outside the branch: a conditional that returns a store may make XLA:GPU copy it
+    every step. The window's tokens are all stored already, so no layer needs this step's own token. The branch
+    returns only what indexing adds (zeros on the other steps), written in place outside it, and the rows move
+    outside it: a branch that returns its operand, a state or a store, makes XLA:GPU copy it whole
     (`LayerView.commit_window`)."""
     picked = [j for j, group in enumerate(groups) if group.selecting]
     if not picked or not policy.window_size(capacity):
@@ -296,10 +298,7 @@ def index_windows(policy, groups, lengths: jax.Array, prompt_lengths: jax.Array,
     states = tuple(groups[j].state for j in picked)
     dues = tuple(jax.vmap(lambda s: policy.recent_due(s, lengths))(state) for state in states)  # [n, B] each
 
-    def per_layer(fn, n):  # fn(i) for each of a group's n layers, stacked: unrolled for one, else a loop
-        return jax.tree.map(lambda x: x[None], fn(0)) if n == 1 else jax.lax.map(fn, jnp.arange(n))
-
-    def index_all(states):
+    def index_all(states):  # what each layer's indexing adds, stacked per group
         out = []
         for j, state, due in zip(picked, states, dues):
             store = groups[j].store
@@ -309,13 +308,19 @@ def index_windows(policy, groups, lengths: jax.Array, prompt_lengths: jax.Array,
                 keys = window_keys(policy, layer_state, store.layer(i, capacity), lengths, prompt_lengths)
                 return policy.index_due(layer_state, keys, due[i], prompt_lengths)
 
-            out.append(per_layer(index_layer, groups[j].num_layers))
+            n = groups[j].num_layers  # one layer: unrolled; more: a loop
+            out.append(jax.tree.map(lambda x: x[None], index_layer(0)) if n == 1
+                       else jax.lax.map(index_layer, jnp.arange(n)))
         return tuple(out)
 
     with jax.named_scope("index"):
-        indexed = jax.lax.cond(jnp.any(jnp.stack([jnp.any(d) for d in dues])), index_all, lambda s: s, states)
+        shapes = jax.eval_shape(index_all, states)
+        added = jax.lax.cond(jnp.any(jnp.stack([jnp.any(d) for d in dues])), index_all,
+                             lambda s: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), states)
         groups = list(groups)
-        for j, old, new in zip(picked, states, indexed):
+        for j, old, add, due in zip(picked, states, added, dues):
+            new = jax.vmap(policy.add_indexed)(old, add, due)
+
             def commit(i, store, old=old, new=new):
                 moves = policy.recent_moves(jax.tree.map(lambda s: s[i], old), jax.tree.map(lambda s: s[i], new))
                 return store if moves is None else store.layer(i, capacity).commit_window(*moves).store

@@ -12,8 +12,9 @@ SnapKV and InfiniGen need), then `after_prefill` (index the prompt's keys), then
 position goes in the store).
 
 Decode: before the step's layers, each selecting layer whose window of recent tokens the policy has not indexed
-yet is due (`recent_due`) indexes it (`index_due`; `recent_moves` says which store rows that moves), all layers
-under one branch for the step (`clusterkv_jax.attend.index_windows`); then, per selecting layer, `select` returns
+yet is due (`recent_due`) indexes it (`index_due`, under one branch for the step and every layer:
+`clusterkv_jax.attend.index_windows`; `add_indexed` writes the result in outside the branch; `recent_moves` says
+which store rows that moves); then, per selecting layer, `select` returns
 a `Selection` of the rows to attend beside the window. `covers` (static) and `covers_now` (traced; not asked on a
 GPU, where a branch waits for the host) say when the selection would hold every token: attention then reads the
 whole layer, as full KV does, and costs what it costs.
@@ -182,21 +183,31 @@ class KVPolicy:
         return None
 
     def index_due(self, state: Any, recent_keys, due: jax.Array, prompt_lengths: jax.Array) -> Any:
-        """Indexes the window of each sequence where due [B] (`recent_due`), the others' state left as it was.
-        `recent_keys()` returns the keys of positions [window_start, window_start + W) as [B, K, W, H]."""
+        """What indexing the window adds (a pytree of arrays: new clusters, a page's bounds), computed for every
+        sequence and written in by `add_indexed` where due [B] (`recent_due`). It runs only on a step where some
+        sequence is due, inside a branch; keep what it returns small: on the other steps the branch returns
+        zeros of its shapes. `recent_keys()` returns the keys of positions [window_start, window_start + W) as
+        [B, K, W, H]."""
+        return None
+
+    def add_indexed(self, state: Any, added: Any, due: jax.Array) -> Any:
+        """The state with `added` (`index_due`'s) written in where due [B], the other sequences' as they were. It
+        runs on every decode step, outside the branch (a branch that returned the whole state would be copied
+        whole on the steps nothing is due): write only what indexing adds, in place (slices, scatters)."""
         return state
 
     def index_recent(self, state: Any, recent_keys, lengths: jax.Array, prompt_lengths: jax.Array) -> Any:
-        """`index_due` for the sequences `recent_due` says, skipped (a `lax.cond`) when none is due. (A decode step
-        indexes every layer under one branch instead: `clusterkv_jax.attend.index_windows`.)"""
+        """`index_due` and `add_indexed` for the sequences `recent_due` says, skipped (a `lax.cond`) when none is
+        due. (A decode step indexes every layer under one branch instead: `clusterkv_jax.attend.index_windows`.)"""
         due = self.recent_due(state, lengths)
         if due is None:
             return state
-        return jax.lax.cond(jnp.any(due), lambda s: self.index_due(s, recent_keys, due, prompt_lengths),
-                            lambda s: s, state)
+        return jax.lax.cond(
+            jnp.any(due), lambda s: self.add_indexed(s, self.index_due(s, recent_keys, due, prompt_lengths), due),
+            lambda s: s, state)
 
     def recent_moves(self, old_state: Any, new_state: Any) -> tuple[jax.Array, jax.Array] | None:
-        """After `index_due` changed the state: the window rows [B, W] whose tokens move, and the rows they go
+        """After `add_indexed` changed the state: the window rows [B, W] whose tokens move, and the rows they go
         to, [B, K, W] (out of range: no move), or None when the layout never moves rows."""
         return None
 

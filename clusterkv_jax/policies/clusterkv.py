@@ -349,15 +349,12 @@ class ClusterKV(KVPolicy):
         return lengths - state.clustered_upto >= self.decode_interval  # [B]
 
     def index_due(self, state: ClusterIndex, recent_keys, due, prompt_lengths):
-        return self._cluster_recent(state, recent_keys(), due, prompt_lengths)
-
-    def _cluster_recent(self, state: ClusterIndex, recent, due, prompt_lengths):
-        """Clusters the `decode_interval` tokens past `clustered_upto` of each due sequence (their keys: recent
-        [B, K, W, H]) into `decode_clusters` new clusters, appended after the sequence's clusters so far, their
-        members laid out in new blocks (`commit_recent` moves them there)."""
+        """Clusters the `decode_interval` tokens past `clustered_upto` (their keys: `recent_keys()` [B, K, W, H])
+        into `decode_clusters` new clusters and lays their members out in new blocks. Returns only what that adds
+        (`add_indexed` writes it in where due): the new clusters, where they go, and their rows."""
+        recent = recent_keys()
         B, K, W, H = recent.shape
-        Cp, bs, R = self.decode_clusters, self.block_size, state.row_positions.shape[-1]
-        start = state.clustered_upto  # [B]
+        Cp, bs = self.decode_clusters, self.block_size
         with jax.named_scope("kmeans"):
             result = cosine_kmeans(
                 recent,
@@ -374,29 +371,52 @@ class ClusterKV(KVPolicy):
         blocks = -(-sizes // bs)
         block_start = state.next_block[..., None] + _exclusive_cumsum(blocks)
         order, rows = _layout_rows(result.labels, sizes, block_start, bs, Cp)
-        # Where the new clusters go: after the prompt's clusters and earlier decode groups.
-        slot = state.num_prompt_clusters + (start - prompt_lengths) // W * Cp  # [B]
-        put = jax.vmap(lambda a, x, at: jax.lax.dynamic_update_slice_in_dim(a, x, at, axis=1))
-        is_due = due[:, None, None]
-        recent_rows = _scatter_last(jnp.full((B, K, W), R, jnp.int32), order, rows)
-        variances = state.variances
+        added = {
+            "centroids": result.centroids, "sizes": sizes, "block_start": block_start, "order": order, "rows": rows,
+            "blocks": jnp.sum(blocks, axis=-1, dtype=jnp.int32),
+            # Where the new clusters go: after the prompt's clusters and earlier decode groups.
+            "slot": state.num_prompt_clusters + (state.clustered_upto - prompt_lengths) // W * Cp,  # [B]
+        }
         if self.score != "dot":
-            new_variances = member_variances(recent, result.labels, result.centroids, sizes)
-            variances = jnp.where(is_due[..., None], put(variances, new_variances, slot), variances)
+            added["variances"] = member_variances(recent, result.labels, result.centroids, sizes)
+        if self.block_refine > 1:  # the new blocks' mean keys: at most W // bs + Cp blocks from next_block on
+            new_blocks = W // bs + Cp
+            local = rows // bs - state.next_block[..., None]
+            added["block_means"], added["block_counts"] = _segment_means(
+                jnp.take_along_axis(recent, order[..., None], axis=-2),
+                jnp.where((local >= 0) & (local < new_blocks), local, new_blocks), new_blocks)
+        return added
+
+    def add_indexed(self, state: ClusterIndex, added, due):
+        """The new clusters of each due sequence appended after its clusters so far, their members' rows in the
+        layout (`recent_moves` says which rows move). In place: slices of the cluster arrays and a scatter of W rows."""
+        B, K, W = added["order"].shape
+        Cp, R = self.decode_clusters, state.row_positions.shape[-1]
+        start, slot, is_due = state.clustered_upto, added["slot"], due[:, None, None]
+
+        def put(a, x):  # a [B, K, C, ...] with x [B, K, Cp, ...] at each due sequence's slot (the others' kept)
+            old = jax.vmap(lambda a, at: jax.lax.dynamic_slice_in_dim(a, at, Cp, axis=1))(a, slot)
+            x = jnp.where(due.reshape((B,) + (1,) * (x.ndim - 1)), x.astype(a.dtype), old)
+            return jax.vmap(lambda a, x, at: jax.lax.dynamic_update_slice_in_dim(a, x, at, axis=1))(a, x, slot)
+
         block_means = state.block_means
-        if self.block_refine > 1:  # the new blocks only (rows -1 where a sequence is not due)
-            block_means = _block_means(block_means, jnp.take_along_axis(recent, order[..., None], axis=-2),
-                                       jnp.where(is_due, rows, -1), bs)
+        if "block_means" in added:  # blocks next_block + j that hold a new row, where due
+            n, nb = added["block_counts"].shape[-1], block_means.shape[-2]
+            ids = state.next_block[..., None] + jnp.arange(n, dtype=jnp.int32)  # [B, K, n]
+            ids = jnp.where((added["block_counts"] > 0) & is_due & (ids < nb), ids, nb)
+            block_means = jax.vmap(jax.vmap(lambda a, i, v: a.at[i].set(v, mode="drop")))(
+                block_means, ids, added["block_means"])
         return state.replace(
-            variances=variances,
+            variances=put(state.variances, added["variances"]) if "variances" in added else state.variances,
             block_means=block_means,
-            centroids=jnp.where(is_due[..., None], put(state.centroids, result.centroids, slot), state.centroids),
-            sizes=jnp.where(is_due, put(state.sizes, sizes, slot), state.sizes),
-            block_start=jnp.where(is_due, put(state.block_start, block_start, slot), state.block_start),
-            row_positions=_scatter_last(state.row_positions, jnp.where(is_due, rows, -1),
-                                        (start[:, None, None] + order).astype(jnp.int32)),
-            next_block=jnp.where(due[:, None], state.next_block + jnp.sum(blocks, axis=-1, dtype=jnp.int32), state.next_block),
-            recent_rows=jnp.where(is_due, recent_rows, R),
+            centroids=put(state.centroids, added["centroids"]),
+            sizes=put(state.sizes, added["sizes"]),
+            block_start=put(state.block_start, added["block_start"]),
+            row_positions=_scatter_last(state.row_positions, jnp.where(is_due, added["rows"], -1),
+                                        (start[:, None, None] + added["order"]).astype(jnp.int32)),
+            next_block=jnp.where(due[:, None], state.next_block + added["blocks"], state.next_block),
+            recent_rows=jnp.where(is_due, _scatter_last(jnp.full((B, K, W), R, jnp.int32), added["order"],
+                                                        added["rows"]), R),
             clustered_upto=jnp.where(due, start + W, start),
         )
 

@@ -130,17 +130,26 @@ class Quest(KVPolicy):
         slot = jnp.sum(state.page_len > 0, axis=-1, dtype=jnp.int32)  # [B] first free page slot
         return (lengths - state.indexed_upto >= self.page_size) & (slot < state.kmin.shape[2])
 
-    def index_due(self, state: QuestState, recent_keys, due, prompt_lengths) -> QuestState:
-        """The page of the `page_size` tokens past `indexed_upto` of each due sequence, in its first free slot."""
+    def index_due(self, state: QuestState, recent_keys, due, prompt_lengths):
+        """The bounds of the page of the `page_size` tokens past `indexed_upto`: what `add_indexed` writes in."""
+        rows = recent_keys().astype(jnp.float32)  # [B, K, ps, H]
+        return {"kmin": jnp.min(rows, axis=2), "kmax": jnp.max(rows, axis=2)}  # [B, K, H] each
+
+    def add_indexed(self, state: QuestState, added, due) -> QuestState:
+        """Each due sequence's new page in its first free slot (in place: one [K, H] slice of the bounds each)."""
         P, ps = state.kmin.shape[2], self.page_size
         start = state.indexed_upto  # [B]
-        slot = jnp.sum(state.page_len > 0, axis=-1, dtype=jnp.int32)  # [B]
-        rows = recent_keys().astype(jnp.float32)  # [B, K, ps, H]
+        slot = jnp.minimum(jnp.sum(state.page_len > 0, axis=-1, dtype=jnp.int32), P - 1)  # [B]
+
+        def put(a, x):  # a [B, K, P, H] with x [B, K, H] at slot, where due
+            old = jax.vmap(lambda a, at: jax.lax.dynamic_index_in_dim(a, at, axis=1, keepdims=False))(a, slot)
+            x = jnp.where(due[:, None, None], x, old)
+            return jax.vmap(lambda a, x, at: jax.lax.dynamic_update_index_in_dim(a, x, at, axis=1))(a, x, slot)
+
         hit = (jnp.arange(P)[None, :] == slot[:, None]) & due[:, None]  # [B, P]
-        hit4 = hit[:, None, :, None]  # [B, 1, P, 1]
         return QuestState(
-            kmin=jnp.where(hit4, jnp.min(rows, axis=2)[:, :, None, :], state.kmin),
-            kmax=jnp.where(hit4, jnp.max(rows, axis=2)[:, :, None, :], state.kmax),
+            kmin=put(state.kmin, added["kmin"]),
+            kmax=put(state.kmax, added["kmax"]),
             page_start=jnp.where(hit, start[:, None], state.page_start),
             page_len=jnp.where(hit, ps, state.page_len),
             indexed_upto=jnp.where(due, start + ps, start),
