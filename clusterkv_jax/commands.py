@@ -202,7 +202,8 @@ def add_mesh_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--process-id", type=nonnegative_int, default=None, metavar="I",
                        help=f"this process's number, 0 .. N-1 (default: ${PROCESS_ID_ENV}, else detected)")
     group.add_argument("--distributed-timeout", type=positive_int, default=DEFAULT_TIMEOUT, metavar="S",
-                       help="seconds to wait for every process to join")
+                       help="seconds to wait for every process to join, and in a collective for a peer that has "
+                       "not reached it (hung)")
 
 
 def prepare_mesh(args) -> None:
@@ -236,7 +237,7 @@ def prepare_mesh(args) -> None:
         agree(run_description(args), timeout=args.distributed_timeout)
         # Watched from here on, not before: a run the processes disagree on ends on every process with its own
         # line naming the difference, not with a peer's.
-        watch_peers(prefix="clusterkv: error: ", exit_code=2)
+        watch_peers(prefix="clusterkv: error: ", exit_code=2, behind_after=args.distributed_timeout)
     else:
         sharding.request_host_devices(args.mesh)  # on CPU: data*model host devices (before JAX starts)
     sharding.check_mesh_for_model(args.mesh, args.model, args.dtype)

@@ -15,6 +15,7 @@ TPU), which needs none of them.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import socket
@@ -57,7 +58,8 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     When not every process has joined after `timeout` seconds, the process ends with `timeout_exit_code` after
     one line on stderr saying so (JAX's runtime would abort it a little later with a C++ stack trace). Once all
     have joined, each process watches the others (`watch_peers`, unless `lost_peer_seconds` is None): one that
-    ends with an error, or gives no sign of life for `lost_peer_seconds`, ends this one too, with one line.
+    ends with an error, or gives no sign of life for `lost_peer_seconds`, ends this one too, with one line; so does
+    one that this process has waited `timeout` seconds for in a collective it has not reached (hung).
     """
     coordinator = coordinator or os.environ.get(COORDINATOR_ENV) or None
     num_processes = num_processes if num_processes is not None else _env_int(NUM_PROCESSES_ENV)
@@ -98,16 +100,23 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
             sys.stderr.write(
                 f"{timeout_prefix}{where}: not every process joined the coordinator at "
                 f"{coordinator or '(detected)'} within {timeout} s; start the same command on each of the "
-                f"{num_processes or 'N'} processes, each with its own process id (two given the same one wait "
-                f"like this) and the same coordinator\n")
+                f"{num_processes or 'N'} processes, each with its own process id and the same coordinator\n")
             sys.stderr.flush()
             os._exit(timeout_exit_code)
 
+    if coordinator is not None and num_processes is not None and num_processes > 1:
+        # Before JAX's join, which cannot tell two processes given one id apart (one of them is aborted from C++,
+        # the other waits the whole time-out): a roll call at the coordinator's port that names such a mistake.
+        roll_call(coordinator, num_processes, process_id, timeout, where)
     threading.Thread(target=give_up, name="distributed-timeout", daemon=True).start()
-
+    bind = {}
+    if coordinator is not None and num_processes is not None and num_processes > 1 and process_id == 0:
+        # JAX's service runs beside process 0, not in it (it would bind an unused loopback port there).
+        _start_service(int(coordinator.rpartition(":")[2]), num_processes, 2 * (lost_peer_seconds or 10) + 5)
+        bind = dict(coordinator_bind_address="127.0.0.1:0")
     try:
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                                   process_id=process_id, initialization_timeout=timeout + 60)
+                                   process_id=process_id, initialization_timeout=timeout + 60, **bind)
     except ValueError as error:
         if coordinator is None and "coordinator_address" in str(error):
             raise ValueError(
@@ -117,7 +126,160 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     finally:
         joined.set()
     if lost_peer_seconds is not None:
-        watch_peers(lost_peer_seconds, prefix=timeout_prefix, exit_code=timeout_exit_code)
+        watch_peers(lost_peer_seconds, prefix=timeout_prefix, exit_code=timeout_exit_code, behind_after=timeout)
+
+
+#: The coordination service's own process (`clusterkv_jax.coordination_service`), started by process 0.
+_service: dict[str, Any] = {}
+
+
+def _start_service(port: int, num_processes: int, grace: float) -> None:
+    """Starts JAX's coordination service in a process of its own at `port` (every address), which outlives this
+    process 0 by `grace` seconds where it ends without shutting down (killed, or failed), so that the peers end
+    with one line each instead of being aborted from C++ when the service goes."""
+    import subprocess
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "coordination_service.py")  # no package import
+    helper = subprocess.Popen([sys.executable, script, str(port),
+                               str(num_processes), f"{grace:g}"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True,
+                              start_new_session=True)  # a Ctrl-C of the run is not its to take
+    if helper.stdout.readline().strip() != "ready":
+        helper.kill()
+        raise ValueError(f"the coordination service could not start at port {port} (exit {helper.wait()})")
+    _service["process"] = helper
+    atexit.register(_stop_service)
+
+
+def _stop_service() -> None:
+    """At a normal exit of process 0 (after `_at_exit`, before JAX's own shutdown, which then has nothing to do):
+    shuts JAX's runtime down here, which waits for every peer at its barrier, then ends the service."""
+    helper = _service.pop("process", None)
+    if helper is None:
+        return
+    jax.distributed.shutdown()
+    try:
+        helper.stdin.write("done\n")
+        helper.stdin.flush()
+        helper.wait(timeout=10)
+    except Exception:  # noqa: BLE001 -- gone already, or not ending: it ends itself after its grace
+        pass
+
+
+#: What each process says at the roll call (`roll_call`): the run's number of processes and its own id.
+_ROLL_CALL = "clusterkv-roll-call"
+
+
+def roll_call(coordinator: str, num_processes: int, process_id: int, timeout: float, where: str) -> None:
+    """Before joining JAX's runtime, the processes answer a roll call at the coordinator's address, so that every
+    process ends within seconds with one line (ValueError) where JAX's join would wait or abort: two processes given
+    the same id (the second process 0 finds the port taken; process 0 hears any other id twice), a different
+    number of processes, or processes that do not come within `timeout` seconds (process 0 names them). Process 0
+    listens on the coordinator's port, hears every other process say its id, answers each "ok" and closes the port
+    for JAX's service; the others connect (again and again until process 0 listens) and wait for that answer."""
+    host, _, port = coordinator.rpartition(":")
+    host, port, deadline = host.strip("[]"), int(port), time.monotonic() + timeout
+    late = f"not every process joined the coordinator at {coordinator} within {timeout:g} s ({{}}); start the same " \
+           f"command on each of the {num_processes} processes, each with its own process id and the same coordinator"
+    if process_id == 0:
+        _call_the_roll(port, num_processes, deadline, late, where)
+        return
+    conn = None
+    while conn is None:
+        try:
+            conn = socket.create_connection((host, port), timeout=max(0.1, min(2.0, deadline - time.monotonic())))
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise ValueError(f"{where}: " + late.format("nothing listens there: is process 0 running?")) from None
+            time.sleep(0.2)
+    with conn:
+        try:
+            conn.sendall(f"{_ROLL_CALL} {num_processes} {process_id}\n".encode())
+            conn.settimeout(max(1.0, deadline - time.monotonic()) + 5)  # process 0 names the missing ones first
+            answer = conn.makefile("r", encoding="utf-8", errors="replace").readline().strip()
+        except TimeoutError:
+            raise ValueError(f"{where}: " + late.format("process 0 did not answer")) from None
+        except OSError as error:
+            answer = f"failed the roll call's connection broke ({error.strerror or error})"
+    if answer == "ok":
+        return
+    verdict, _, why = answer.partition(" ")
+    if verdict == "failed" and why:
+        raise ValueError(f"{where}: process 0 ended the roll call: {why}")
+    raise ValueError(f"{where}: the coordinator at {coordinator} did not answer the roll call (another process "
+                     "with this id may have joined already, or another program listens there)")
+
+
+def _call_the_roll(port: int, num_processes: int, deadline: float, late: str, where: str) -> None:
+    """Process 0's side of `roll_call`."""
+    import errno
+
+    dual = socket.has_dualstack_ipv6()
+    try:  # every address, as JAX's service binds; no SO_REUSEPORT, so a port that is taken refuses this
+        server = socket.create_server(("", port), family=socket.AF_INET6 if dual else socket.AF_INET,
+                                      dualstack_ipv6=dual)
+    except OSError as error:
+        if error.errno == errno.EADDRINUSE:
+            try:  # tell the process 0 that listens there, so that it ends at once too, not after its time-out
+                with socket.create_connection(("localhost", port), timeout=1) as conn:
+                    conn.sendall(f"{_ROLL_CALL} {num_processes} 0\n".encode())
+            except OSError:
+                pass
+            raise ValueError(f"{where}: the coordinator's port {port} is taken on this host: two processes were "
+                             "given process id 0 (each process needs its own id), or another program listens there"
+                             ) from None
+        raise
+    present: dict[int, tuple[socket.socket, str]] = {}
+
+    def fail(why: str, newcomer: socket.socket | None = None) -> None:
+        for conn in [c for c, _ in present.values()] + ([newcomer] if newcomer else []):
+            try:
+                conn.sendall(f"failed {why}\n".encode())
+            except OSError:
+                pass
+        if newcomer is not None:
+            newcomer.close()
+        raise ValueError(f"{where}: {why}")
+
+    try:
+        server.settimeout(0.2)
+        while len(present) < num_processes - 1:
+            if time.monotonic() >= deadline:
+                missing = ", ".join(str(i) for i in range(1, num_processes) if i not in present)
+                fail(late.format(f"process {missing} did not" if "," not in missing else
+                                 f"processes {missing} did not"))
+            try:
+                conn, address = server.accept()
+            except TimeoutError:
+                continue
+            conn.settimeout(5)
+            try:
+                said = conn.makefile("r", encoding="utf-8", errors="replace").readline().split()
+            except OSError:
+                said = []
+            if len(said) != 3 or said[0] != _ROLL_CALL or not (said[1] + said[2]).isdigit():
+                conn.close()  # not one of ours (a port scan, a health check): ignored
+                continue
+            count, other = int(said[1]), int(said[2])
+            address = f"{address[0].removeprefix('::ffff:')}:{address[1]}"  # an IPv4 peer on a dual-stack socket
+            if count != num_processes:
+                fail(f"a process (from {address}) was started with --num-processes {count}, process 0 with "
+                     f"{num_processes}", conn)
+            if other in present or other == 0:
+                which = (f"from {present[other][1]} and {address}" if other else
+                         f"this one, and one from {address} that found the port taken")
+                fail(f"two processes were given process id {other} ({which}); each process needs its own id in "
+                     f"0..{num_processes - 1}", conn)
+            present[other] = (conn, address)
+        for conn, _ in present.values():
+            try:
+                conn.sendall(b"ok\n")
+            except OSError:
+                pass  # gone since: JAX's join will wait for it, and time out
+    finally:
+        for conn, _ in present.values():
+            conn.close()
+        server.close()
 
 
 #: Keys of the coordination service's key-value store through which the processes watch each other.
@@ -125,8 +287,26 @@ _ALIVE_KEY, _ENDED_KEY = "clusterkv/alive/", "clusterkv/ended/"
 _watch: dict[str, Any] = {}
 
 
+#: Where this process's main thread is: how many waits for its peers (`waiting_for_peers`) it has entered, and
+#: since when (None: not waiting) it waits in the latest, named what. The watcher thread reads it.
+_progress: dict[str, Any] = {"entered": 0, "since": None, "what": ""}
+
+
+@contextlib.contextmanager
+def waiting_for_peers(what: str):
+    """Marks a point where this process waits for its peers (a collective, or a program holding collectives, whose
+    result it waits for): every process enters the same such points in the same order, so a peer that has entered
+    fewer of them while this process waits is behind (`watch_peers` ends the wait when it stays behind too long)."""
+    _progress["entered"] += 1
+    _progress["what"], _progress["since"] = what, time.monotonic()
+    try:
+        yield
+    finally:
+        _progress["since"] = None
+
+
 def watch_peers(lost_after: float = LOST_PEER_SECONDS, *, prefix: str = "clusterkv_jax.distributed: ",
-                exit_code: int = 1, interval: float = 1.0) -> None:
+                exit_code: int = 1, interval: float = 1.0, behind_after: float | None = DEFAULT_TIMEOUT) -> None:
     """After joining: this process and its peers watch each other through the coordination service, so that none
     waits on a lost one. Without this, a collective whose peer died waits until JAX's heartbeat gives up (100 s)
     and then aborts the process from C++ with a stack trace; a peer that ended with an error leaves the others
@@ -136,7 +316,10 @@ def watch_peers(lost_after: float = LOST_PEER_SECONDS, *, prefix: str = "cluster
     process ends at once (`os._exit(exit_code)`) with one line on stderr when a peer has said it ended with an
     error (`end_run`), when a peer's count has not moved for `lost_after` seconds (killed, or hung), or when the
     coordination service (process 0's) has not answered for `lost_after` seconds. A peer that ended its work
-    normally (it says so at exit) is no longer expected to count. Nothing happens with one process."""
+    normally (it says so at exit) is no longer expected to count. A peer alive but stuck (its main thread hung, or
+    waiting in another collective) counts on: with it, this process ends when it has waited `behind_after` seconds
+    at a point (`waiting_for_peers`) that the peer has not reached, and has not moved towards in that time (None:
+    never). Nothing happens with one process."""
     from jax._src import distributed as jax_distributed
 
     state = jax_distributed.global_state
@@ -153,15 +336,26 @@ def watch_peers(lost_after: float = LOST_PEER_SECONDS, *, prefix: str = "cluster
         sys.stderr.write(f"{prefix}process {me} of {count}: {why}; this process ends too instead of waiting for it "
                          "(in a collective, or in JAX's shutdown)\n")
         sys.stderr.flush()
+        sys.stdout.flush()
+        # That line is the last: while this thread lingers below, the main thread may fail in a collective the
+        # peers leave, and its traceback would follow.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+        try:  # the others learn why, and end with their own line
+            client.key_value_set(f"{_ENDED_KEY}{me}", why[:300], allow_overwrite=True)
+        except Exception:  # noqa: BLE001 -- the service is gone: they find this process silent instead
+            pass
+        _linger_for_peers()
         os._exit(exit_code)
 
     def beat() -> None:
         seen = {peer: (None, time.monotonic()) for peer in range(count) if peer != me}
+        reached = {peer: (0, time.monotonic()) for peer in seen}  # waits each peer entered, and since when
         beats = 0
         while not stop.wait(interval):
             beats += 1
+            entered, waiting_since, waiting_in = _progress["entered"], _progress["since"], _progress["what"]
             try:
-                client.key_value_set(f"{_ALIVE_KEY}{me}", str(beats), allow_overwrite=True)
+                client.key_value_set(f"{_ALIVE_KEY}{me}", f"{beats} {entered}", allow_overwrite=True)
                 alive = dict(client.key_value_dir_get(_ALIVE_KEY))
                 ended = dict(client.key_value_dir_get(_ENDED_KEY))
             except Exception:  # noqa: BLE001 -- the service is gone or failing: `silence` decides when to end
@@ -175,6 +369,13 @@ def watch_peers(lost_after: float = LOST_PEER_SECONDS, *, prefix: str = "cluster
                     end(f"process {peer} ended with an error ({how})")
                 elif alive.get(f"{_ALIVE_KEY}{peer}") != last:
                     seen[peer] = (alive.get(f"{_ALIVE_KEY}{peer}"), now)
+                    theirs = int(seen[peer][0].split()[-1])
+                    if theirs != reached[peer][0]:
+                        reached[peer] = (theirs, now)
+                    if (behind_after is not None and waiting_since is not None and theirs < entered
+                            and min(now - waiting_since, now - reached[peer][1]) > behind_after):
+                        end(f"waited {behind_after:g} s in {waiting_in} for process {peer}, which has not reached it "
+                            "(it is hung, or slower by that much: --distributed-timeout sets this wait)")
                 elif now - since > lost_after:
                     end(f"process {peer} has given no sign of life for {lost_after:g} s (killed, or hung)")
             if not seen:
@@ -209,9 +410,31 @@ def _at_exit() -> None:
     if _watch["ended"] != 0:
         sys.stdout.flush()
         sys.stderr.flush()
+        _linger_for_peers()
         os._exit(_watch["ended"])
     _watch["peers_ended"].wait(DEFAULT_TIMEOUT)  # a peer alive but never ending: JAX's shutdown decides, as before
     _watch["stop"].set()
+
+
+def _linger_for_peers(seconds: float = 5.0) -> None:
+    """Before process 0 ends with an error: it hosts the coordination service, and a peer whose service is gone is
+    aborted by JAX's runtime from C++ with a stack trace, before it reads why. So process 0 waits until every peer
+    has ended (each says so in the store as it ends) or `seconds` have passed. Other processes end at once."""
+    client, me = _watch.get("client"), _watch.get("me")
+    if client is None or me != 0:
+        return
+    from jax._src import distributed as jax_distributed
+
+    peers = {f"{_ENDED_KEY}{peer}" for peer in range(jax_distributed.global_state.num_processes) if peer != me}
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if peers <= set(dict(client.key_value_dir_get(_ENDED_KEY))):
+                time.sleep(0.5)  # each wrote before its exit: let it finish exiting first
+                return
+        except Exception:  # noqa: BLE001 -- the service is failing: nothing to wait for
+            return
+        time.sleep(0.1)
 
 
 def watching() -> bool:
@@ -304,7 +527,8 @@ def agreed(value: int) -> int:
         return int(value)
     from jax.experimental import multihost_utils
 
-    return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
+    with waiting_for_peers("a broadcast from process 0"):
+        return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
 
 
 def to_host(tree: Any) -> Any:
@@ -317,7 +541,10 @@ def to_host(tree: Any) -> Any:
             return multihost_utils.process_allgather(x, tiled=True)
         return np.asarray(x)
 
-    return jax.tree.map(fetch, tree)
+    if jax.process_count() == 1:
+        return jax.tree.map(fetch, tree)
+    with waiting_for_peers("gathering results to every process"):
+        return jax.tree.map(fetch, tree)
 
 
 def held_bytes(tree: Any) -> dict[str, int]:

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from clusterkv_jax import sharding as sh
 from clusterkv_jax.cache import KVCache, init_cache
 from clusterkv_jax.config import ModelConfig
-from clusterkv_jax.distributed import agreed, to_host
+from clusterkv_jax.distributed import agreed, to_host, waiting_for_peers
 from clusterkv_jax.model import PREFILL_BLOCK, forward_decode, forward_prefill
 from clusterkv_jax.ops import sharded_trace
 from clusterkv_jax.policies import FullKV, KVPolicy
@@ -260,6 +260,13 @@ class GenerationInterrupted(KeyboardInterrupt):
         self.tokens, self.texts = tokens, texts
 
 
+def compile_decode(params, loop: DecodeLoop, sampling: Sampling, eos_ids, pad_id, **static) -> None:
+    """Compiles the program `decode_in_chunks` runs from `loop` (the same static arguments) without running it. The
+    arguments are passed as `decode_in_chunks` passes them: jit keys its cache on that form too."""
+    decode_generation.lower(params, loop, sampling=sampling, eos_ids=eos_ids, pad_id=pad_id, stop_at=jnp.int32(0),
+                            **static).compile()
+
+
 def decode_in_chunks(params, loop: DecodeLoop, sampling: Sampling, eos_ids, pad_id, *, config: ModelConfig,
                      policy: KVPolicy, max_new_tokens: int, sharding=None, seconds: float | None = INTERRUPT_SECONDS,
                      on_chunk: Callable[[np.ndarray, np.ndarray], None] | None = None) -> DecodeLoop:
@@ -348,11 +355,12 @@ class GenerationResult:
     tokens: list[list[int]]  # generated ids per prompt, EOS included when one was produced
     texts: list[str] | None  # decoded without special tokens (None without a tokenizer)
     prompt_lengths: list[int]
-    seconds: float  # wall time of prefill and decode (compile included when `compiled`)
+    seconds: float  # wall time of the call: compile (where it compiled), prefill and decode
     cache: KVCache | None = None
-    prefill_seconds: float = 0.0  # prefill and the first token (`start_generation`), until its result was ready
-    decode_seconds: float = 0.0  # the decode loop (`decode_generation`), until its tokens were on the host
-    compiled: bool = False  # this call compiled a program (its time is in prefill_ / decode_seconds)
+    prefill_seconds: float = 0.0  # prefill and the first token (`start_generation`, compiled), until it was ready
+    decode_seconds: float = 0.0  # the decode loop (`decode_generation`, compiled), until its tokens were on the host
+    compile_seconds: float = 0.0  # tracing and compiling both programs (near 0 where jit had them already)
+    compiled: bool = False  # this call compiled a program (its time is in compile_seconds, not the two above)
 
     @property
     def num_generated(self) -> int:
@@ -514,16 +522,23 @@ def generate(
     if cache_dtype is None:
         cache_dtype = jax.tree_util.tree_leaves(model.params)[0].dtype
 
+    start_args = (params, tokens_in, lengths_in, sampling, jax.random.PRNGKey(seed), jnp.asarray(eos_ids),
+                  jnp.int32(pad_id))
+    start_static = dict(config=config, policy=policy, max_new_tokens=max_new_tokens,
+                        capacity=cache_capacity(bucket, max_new_tokens), cache_dtype=jnp.dtype(cache_dtype),
+                        sharding=rules, prefill_chunk=prefill_chunk)
+    decode_static = dict(config=config, policy=policy, max_new_tokens=max_new_tokens, sharding=rules)
     with counting_compiles() as compiles:
         start = time.perf_counter()
-        loop = start_generation(
-            params, tokens_in, lengths_in, sampling, jax.random.PRNGKey(seed), jnp.asarray(eos_ids),
-            jnp.int32(pad_id), config=config, policy=policy, max_new_tokens=max_new_tokens,
-            capacity=cache_capacity(bucket, max_new_tokens), cache_dtype=jnp.dtype(cache_dtype), sharding=rules,
-            prefill_chunk=prefill_chunk,
-        )
-        jax.block_until_ready(loop)
+        # Each program is compiled before it runs (jit reuses the executable), so prefill_ and decode_seconds time
+        # the compiled programs on every call, the first included, and the compile is reported apart.
+        start_generation.lower(*start_args, **start_static).compile()
+        compiled_prefill = time.perf_counter()
+        with waiting_for_peers("prefill"):  # a program holding collectives, on a mesh spanning processes
+            loop = jax.block_until_ready(start_generation(*start_args, **start_static))
         prefilled = time.perf_counter()
+        compile_decode(params, loop, sampling, jnp.asarray(eos_ids), jnp.int32(pad_id), **decode_static)
+        decoding = time.perf_counter()
         finished = []  # the latest chunk's (out, counts) on the host: what an interrupted call returns
         bar = tqdm(total=max_new_tokens, desc="generating", unit="token", disable=not progress, file=sys.stderr,
                    leave=False)
@@ -533,8 +548,8 @@ def generate(
             bar.update(int(chunk_counts[:n_prompts].max()) - bar.n)
 
         try:
-            loop = decode_in_chunks(params, loop, sampling, jnp.asarray(eos_ids), jnp.int32(pad_id), config=config,
-                                    policy=policy, max_new_tokens=max_new_tokens, sharding=rules, on_chunk=keep)
+            loop = decode_in_chunks(params, loop, sampling, jnp.asarray(eos_ids), jnp.int32(pad_id), **decode_static,
+                                    on_chunk=keep)
         except KeyboardInterrupt:
             bar.close()
             if not finished:
@@ -558,6 +573,7 @@ def generate(
         texts = [model.tokenizer.decode(g) for g in generated]
     return GenerationResult(
         tokens=generated, texts=texts, prompt_lengths=lengths[:n_prompts].tolist(), seconds=end - start,
-        cache=cache if return_cache else None, prefill_seconds=prefilled - start, decode_seconds=end - prefilled,
+        cache=cache if return_cache else None, prefill_seconds=prefilled - compiled_prefill,
+        decode_seconds=end - decoding, compile_seconds=(compiled_prefill - start) + (decoding - prefilled),
         compiled=compiled,
     )

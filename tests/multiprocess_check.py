@@ -6,7 +6,8 @@
 
     python -m tests.multiprocess_check lose HOW --coordinator HOST:PORT --num-processes 2 --process-id I
         two processes join; then one is lost (HOW: "killed" kills process 1, "failed" ends it with an error as the
-        CLI does, "killed0" kills process 0, the coordinator's host) while the other waits in a collective
+        CLI does, "killed0" kills process 0, the coordinator's host, "hung" stops process 1's main thread, its
+        watcher thread alive) while the other waits in a collective
 
 `run` without --distributed needs 4 CPU devices in its one process; with it, 2 per process (the test sets
 XLA_FLAGS). Each process writes what it measured (tokens, perplexities, the bytes it holds); the assertions
@@ -50,11 +51,14 @@ def lose(how: str, coordinator: str, process_id: int) -> None:
     from clusterkv_jax import commands
     from clusterkv_jax.distributed import agreed, initialize
 
-    initialize(coordinator, 2, process_id, timeout=60, lost_peer_seconds=LOST_AFTER_S)
+    # A short time-out: it is also how long a process waits in a collective for a peer that does not reach it.
+    initialize(coordinator, 2, process_id, timeout=60 if how != "hung" else 5, lost_peer_seconds=LOST_AFTER_S)
     agreed(1)  # a first collective: both are at work
     print(f"process {process_id} joined", file=sys.stderr, flush=True)
     lost = 0 if how == "killed0" else 1
     if process_id == lost:
+        if how == "hung":
+            time.sleep(600)  # alive (its watcher thread counts on), never at the collective
         if how == "failed":
             def fail() -> int:
                 raise ValueError("this process failed")

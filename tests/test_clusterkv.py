@@ -205,14 +205,22 @@ def test_generate_with_clusterkv_compiles_once():
 
 
 def test_generate_times_prefill_and_decode_apart_with_the_tokens_of_one_program():
-    """`generate` runs prefill and decode as two programs, timed apart: the same tokens as `generate_ids` (one
-    program), and prefill + decode seconds make up the call's seconds."""
-    from clusterkv_jax.generate import bucket_length, cache_capacity
+    """`generate` runs prefill and decode as two programs, each compiled once before it runs and timed apart: the
+    same tokens as `generate_ids` (one program), and compile + prefill + decode seconds make up the call's seconds;
+    a second call compiles nothing."""
+    from clusterkv_jax.generate import bucket_length, cache_capacity, counting_compiles
+    from tests.helpers import generation_programs
 
     model = Model(CFG, PARAMS, tokenizer=None)
-    policy = ClusterKV(budget=32, **SMALL)
+    policy = ClusterKV(budget=32, **SMALL, kmeans_tol=0.25)  # a policy no other test generates with: it compiles
     prompts = [TOKENS[0, :100].tolist(), TOKENS[1, :70].tolist()]
+    before = generation_programs()
     result = generate(model, prompts, 24, policy=policy, stop_at_eos=False)
+    assert generation_programs() - before == 2  # the programs it compiled ahead are the ones it ran
+    assert result.compiled and result.compile_seconds > 0
+    with counting_compiles() as compiles:
+        again = generate(model, prompts, 24, policy=policy, stop_at_eos=False)
+    assert compiles[0] == 0 and not again.compiled and again.tokens == result.tokens
     tokens = np.zeros((2, bucket_length(100)), np.int32)
     tokens[0, :100], tokens[1, :70] = prompts
     out, counts, _ = generate_ids(PARAMS, jnp.asarray(tokens), jnp.array([100, 70]), Sampling.make(),
@@ -221,7 +229,7 @@ def test_generate_times_prefill_and_decode_apart_with_the_tokens_of_one_program(
                                   cache_dtype=jnp.dtype(jnp.float32))
     assert result.tokens == np.asarray(out).tolist()
     assert result.prefill_seconds > 0 and result.decode_seconds > 0
-    assert abs(result.prefill_seconds + result.decode_seconds - result.seconds) < 1e-6
+    assert abs(result.compile_seconds + result.prefill_seconds + result.decode_seconds - result.seconds) < 1e-6
     assert result.decode_tokens_per_second == pytest.approx(2 * 23 / result.decode_seconds)
 
 

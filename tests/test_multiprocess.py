@@ -187,24 +187,51 @@ def test_a_peer_that_never_joins_ends_with_one_line(tiny, process_id):
     assert_one_line_error(r, f"process {process_id} of 2: not every process joined", "within 3 s")
 
 
-@pytest.mark.parametrize("how", ["killed", "failed"])
+@pytest.mark.parametrize("ids", [(0, 0), (0, 1, 1)])
+def test_processes_given_the_same_id_each_end_with_one_line_at_once(tiny, ids):
+    """Two processes given one `--process-id`: JAX's join aborted one of them from C++ and left the other waiting the
+    whole `--distributed-timeout`. Now every process of the run ends within seconds with one line naming the id."""
+    port = free_port()
+    command = [sys.executable, "-m", "clusterkv_jax.cli", "generate", "--model", tiny, "--prompt", "word", "--mesh",
+               f"data={len(ids)}", "--distributed-timeout", "120", "--distributed", "--coordinator",
+               f"127.0.0.1:{port}", "--num-processes", str(len(ids)), "--process-id"]
+    start = time.monotonic()
+    results = run_together([command + [str(i)] for i in ids], env_with_devices(1), limit=150)
+    assert time.monotonic() - start < 60  # the processes start in turn; each waited 120 s and more before
+    for r in results:
+        assert_one_line_error(r, f"two processes were given process id {ids[-1]}")
+
+
+@pytest.mark.parametrize("how", ["killed", "failed", "hung", "killed0"])
 def test_a_peer_lost_after_joining_ends_the_other_in_seconds(how):
-    """Two processes join; then process 1 is killed, or ends with an error as the CLI ends one, while process 0
-    waits in a collective with it. Process 0 once waited for JAX's heartbeat time-out (about 100 s) and was then
-    aborted from C++ with a stack trace (exit 134); the failed one waited as long at JAX's shutdown. Now process 0
-    ends within seconds with its error (the collective's broken connection, or the peer's failure named), and a
-    failed process ends at once with its own line."""
+    """Two processes join; then process 1 is killed, ends with an error as the CLI ends one, or hangs (its main
+    thread stops, its watcher thread counts on), or process 0 is killed, while the other waits in a collective
+    with it. Process 0 once
+    waited for JAX's heartbeat time-out (about 100 s) and was then aborted from C++ with a stack trace (exit 134),
+    or waited forever for a hung peer; the failed one waited as long at JAX's shutdown. Now process 0 ends within
+    seconds with its error (the collective's broken connection, the peer's failure named, or the hung peer named
+    after the time-out, 5 s here), and a failed process ends at once with its own line."""
     start = time.monotonic()
     port = free_port()
     p0, p1 = run_together([[sys.executable, "-m", "tests.multiprocess_check", "lose", how, "--coordinator",
                             f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)] for i in range(2)],
                           env_with_devices(1), limit=150)
     assert time.monotonic() - start < 60
+    if how == "killed0":  # the survivor is process 1; once JAX's runtime aborted it from C++ as process 0 went
+        p0, p1 = p1, p0
+        assert p1.returncode == -9, p1.stderr[-3000:]
     assert p0.returncode == 1 and "Terminating process" not in p0.stderr, p0.stderr[-3000:]
     # gloo's error from the broken collective (its words vary: "closed by peer", "reset by peer"), or the watcher's.
+    if how == "hung":
+        assert_one_line_error(p0, "process 0 of 2: waited 5 s in a broadcast from process 0 for process 1, which "
+                                  "has not reached it")
+        # The hung one ends too, told why: not aborted from C++ as the coordination service goes with process 0.
+        assert_one_line_error(p1, "process 1 of 2: process 0 ended with an error (waited 5 s")
+        return
+    lost = 0 if how == "killed0" else 1
     assert any(said in p0.stderr for said in ("Connection closed by peer", "Connection reset by peer",
-                                              "process 1 ended with an error", "process 1 has given no sign of life")
-               ), p0.stderr[-3000:]
+                                              f"process {lost} ended with an error",
+                                              f"process {lost} has given no sign of life")), p0.stderr[-3000:]
     if how == "failed":
         assert_one_line_error(p1, "check: error: this process failed")
 

@@ -36,7 +36,7 @@ from clusterkv_jax import axes, kernels
 from clusterkv_jax.kmeans import cosine_kmeans, problem_keys
 from clusterkv_jax.ops import gather_rows, row_index, top_k_indices, top_mask
 from clusterkv_jax.policies.base import FULL_LAYERS_HELP, KVPolicy, option
-from clusterkv_jax.policies.common import ring_window_mask
+from clusterkv_jax.policies.common import put_at_slot, ring_window_mask
 from clusterkv_jax.selection import Selection
 from pallas_kernels import centroid_update_reference
 
@@ -391,13 +391,11 @@ class ClusterKV(KVPolicy):
         """The new clusters of each due sequence appended after its clusters so far, their members' rows in the
         layout (`recent_moves` says which rows move). In place: slices of the cluster arrays and a scatter of W rows."""
         B, K, W = added["order"].shape
-        Cp, R = self.decode_clusters, state.row_positions.shape[-1]
+        R = state.row_positions.shape[-1]
         start, slot, is_due = state.clustered_upto, added["slot"], due[:, None, None]
 
         def put(a, x):  # a [B, K, C, ...] with x [B, K, Cp, ...] at each due sequence's slot (the others' kept)
-            old = jax.vmap(lambda a, at: jax.lax.dynamic_slice_in_dim(a, at, Cp, axis=1))(a, slot)
-            x = jnp.where(due.reshape((B,) + (1,) * (x.ndim - 1)), x.astype(a.dtype), old)
-            return jax.vmap(lambda a, x, at: jax.lax.dynamic_update_slice_in_dim(a, x, at, axis=1))(a, x, slot)
+            return put_at_slot(a, x, slot, due)
 
         block_means = state.block_means
         if "block_means" in added:  # blocks next_block + j that hold a new row, where due

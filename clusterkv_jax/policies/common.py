@@ -38,3 +38,12 @@ def keep_observed(previous: jax.Array, queries: jax.Array, found: jax.Array) -> 
 def expand_heads(x: jax.Array, heads: int) -> jax.Array:
     """[B, M] -> [B, heads, M] (the same slots for every head)."""
     return jnp.broadcast_to(x[:, None, :], (x.shape[0], heads, x.shape[1]))
+
+
+def put_at_slot(a: jax.Array, x: jax.Array, slot: jax.Array, due: jax.Array) -> jax.Array:
+    """a [B, K, S, ...] with x [B, K, n, ...] written at each sequence's `slot` [B] along S where `due` [B] (the
+    other sequences' entries kept): in place, one dynamic slice per sequence (`KVPolicy.add_indexed`)."""
+    n = x.shape[2]
+    old = jax.vmap(lambda a, at: jax.lax.dynamic_slice_in_dim(a, at, n, axis=1))(a, slot)
+    x = jnp.where(due.reshape((-1,) + (1,) * (x.ndim - 1)), x.astype(a.dtype), old)
+    return jax.vmap(lambda a, x, at: jax.lax.dynamic_update_slice_in_dim(a, x, at, axis=1))(a, x, slot)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from clusterkv_jax import axes
 from clusterkv_jax.ops import top_k_indices
 from clusterkv_jax.policies.base import FULL_LAYERS_HELP, KVPolicy, option
+from clusterkv_jax.policies.common import put_at_slot
 from clusterkv_jax.selection import Selection
 
 
@@ -141,15 +142,10 @@ class Quest(KVPolicy):
         start = state.indexed_upto  # [B]
         slot = jnp.minimum(jnp.sum(state.page_len > 0, axis=-1, dtype=jnp.int32), P - 1)  # [B]
 
-        def put(a, x):  # a [B, K, P, H] with x [B, K, H] at slot, where due
-            old = jax.vmap(lambda a, at: jax.lax.dynamic_index_in_dim(a, at, axis=1, keepdims=False))(a, slot)
-            x = jnp.where(due[:, None, None], x, old)
-            return jax.vmap(lambda a, x, at: jax.lax.dynamic_update_index_in_dim(a, x, at, axis=1))(a, x, slot)
-
         hit = (jnp.arange(P)[None, :] == slot[:, None]) & due[:, None]  # [B, P]
-        return QuestState(
-            kmin=put(state.kmin, added["kmin"]),
-            kmax=put(state.kmax, added["kmax"]),
+        return QuestState(  # the bounds [B, K, P, H] get the page's [B, K, H] at its slot
+            kmin=put_at_slot(state.kmin, added["kmin"][:, :, None], slot, due),
+            kmax=put_at_slot(state.kmax, added["kmax"][:, :, None], slot, due),
             page_start=jnp.where(hit, start[:, None], state.page_start),
             page_len=jnp.where(hit, ps, state.page_len),
             indexed_upto=jnp.where(due, start + ps, start),
