@@ -89,17 +89,42 @@ def branches_wait_for_host() -> bool:
 _branch_override: list[bool] = []
 
 
+def chunks_read_row_by_row() -> bool:
+    """Whether chunks of store rows that may start anywhere (`Selection.aligned` false: Quest's pages) are read
+    with an index per row rather than one slice per chunk. For a gather of multi-row slices from any start, XLA:TPU
+    lays the whole stacked store out anew first (deviceless v5e, Llama-3-8B geometry, 4 layers, 32k: Quest's
+    decode step held 138 MB of temporaries, a copy of both selecting layers' keys and values, every step); single
+    rows it reads in place. Elsewhere one slice per chunk copies faster (XLA:CPU, docs/research_log.md)."""
+    if _row_override:
+        return _row_override[-1]
+    return dispatch.on_tpu()
+
+
+_row_override: list[bool] = []
+
+
 @contextlib.contextmanager
-def forced_branches_wait_for_host(wait: bool):
-    """Traces as if `branches_wait_for_host()` were `wait` inside this block (tests: the CPU traces a GPU's
-    branch-free decode step). Entering and leaving clear JAX's caches, as `forced_layer_loop` does."""
+def _forcing(overrides: list, value):
+    """A trace-time choice overridden inside the block: a jitted function's cache does not know of it, so entering
+    and leaving clear JAX's caches (every program inside is traced anew)."""
     jax.clear_caches()
-    _branch_override.append(bool(wait))
+    overrides.append(value)
     try:
         yield
     finally:
-        _branch_override.pop()
+        overrides.pop()
         jax.clear_caches()
+
+
+def forced_chunks_read_row_by_row(by_row: bool):
+    """Traces as if `chunks_read_row_by_row()` were `by_row` inside this block (tests)."""
+    return _forcing(_row_override, bool(by_row))
+
+
+def forced_branches_wait_for_host(wait: bool):
+    """Traces as if `branches_wait_for_host()` were `wait` inside this block (tests: the CPU traces a GPU's
+    branch-free decode step)."""
+    return _forcing(_branch_override, bool(wait))
 
 
 #: How the model runs its layers (`layer_loop`).
@@ -121,20 +146,12 @@ def layer_loop() -> str:
     return "unrolled" if dispatch.on_gpu() else "scanned"
 
 
-@contextlib.contextmanager
 def forced_layer_loop(loop: str):
     """Runs the layers `loop` ("unrolled" or "scanned") inside this block, whatever the device (tests: the CPU runs
-    what a GPU runs). The loop is chosen while tracing, and a jitted function's cache does not know of it, so
-    entering and leaving the block clear JAX's caches: every program inside is traced anew."""
+    what a GPU runs)."""
     if loop not in LAYER_LOOPS:
         raise ValueError(f"layer loop must be one of {', '.join(LAYER_LOOPS)}, got {loop!r}")
-    jax.clear_caches()
-    _layer_loop_override.append(loop)
-    try:
-        yield
-    finally:
-        _layer_loop_override.pop()
-        jax.clear_caches()
+    return _forcing(_layer_loop_override, loop)
 
 
 def _check(impl: str) -> None:
@@ -221,19 +238,12 @@ def prompt_attention_impl(dtype, cap: float | None) -> tuple[str, str | None]:
     return "xla", None
 
 
-@contextlib.contextmanager
 def forced_prompt_attention(impl: str, interpret: bool = False):
     """Prompts attend with `impl` inside this block whatever the device (tests: "splash" with `interpret` runs
-    the TPU kernel on the CPU). Entering and leaving clear JAX's caches, as `forced_layer_loop` does."""
+    the TPU kernel on the CPU)."""
     if impl not in PROMPT_ATTENTIONS:
         raise ValueError(f"prompt attention must be one of {', '.join(PROMPT_ATTENTIONS)}, got {impl!r}")
-    jax.clear_caches()
-    _prompt_attention_override.append((impl, interpret))
-    try:
-        yield
-    finally:
-        _prompt_attention_override.pop()
-        jax.clear_caches()
+    return _forcing(_prompt_attention_override, (impl, interpret))
 
 
 def prompt_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = None,

@@ -137,14 +137,22 @@ def row_index(positions: jax.Array, layer: jax.Array | int | None = None) -> jax
 
 
 def gather_rows(store: jax.Array, index: jax.Array, mode=READ_MODE, chunk: int = 1,
-                aligned: bool = False) -> jax.Array:
+                aligned: bool = False, by_row: bool = False) -> jax.Array:
     """store [L, B, K, S, H] or [B, K, S, H], index [B, K, n, .] from `row_index` -> rows [B, K, n, H]; with
     `chunk` > 1 each index is the first of `chunk` consecutive rows: -> [B, K, n, chunk, H] (one contiguous slice
     per index, so XLA copies chunks instead of computing an address per row).
 
     `aligned`: every first row is a multiple of `chunk`; where `chunk` also divides S the store is read as blocks,
     [..., S / chunk, chunk * H], one row of chunk * H per index: XLA:CPU's gather then copies faster
-    (docs/research_log.md)."""
+    (docs/research_log.md).
+
+    `by_row`: each chunk read as `chunk` rows of one index each (`kernels.chunks_read_row_by_row`)."""
+    if by_row and chunk > 1:
+        starts = index[..., -1]  # [B, K, n]
+        rows = (starts[..., None] + jnp.arange(chunk, dtype=starts.dtype)).reshape(*starts.shape[:2], -1)
+        lead = jnp.repeat(index[..., :-1], chunk, axis=2)  # the layer, where the store has one: [B, K, n*chunk, .]
+        out = gather_rows(store, jnp.concatenate([lead, rows[..., None]], axis=-1), mode)
+        return out.reshape(*starts.shape, chunk, store.shape[-1])
     if aligned and chunk > 1 and store.shape[-2] % chunk == 0:
         *lead, S, H = store.shape
         blocks = store.reshape(*lead, S // chunk, chunk * H)

@@ -54,7 +54,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from clusterkv_jax import axes
+from clusterkv_jax import axes, kernels
 from clusterkv_jax.ops import gather_pair_rows, gather_rows, per_kv_head, row_index, scatter_rows
 from clusterkv_jax.selection import Selection
 
@@ -186,7 +186,8 @@ class DeviceLayer(LayerView):
         K, H = self.store.k.shape[2], self.store.k.shape[4]
         index = row_index(per_kv_head(selection.starts, K), self.index)
         c = selection.chunk
-        k, v = (gather_rows(x, index, chunk=c, aligned=selection.aligned).reshape(B, h, n * c, H)
+        by_row = not selection.aligned and kernels.chunks_read_row_by_row()
+        k, v = (gather_rows(x, index, chunk=c, aligned=selection.aligned, by_row=by_row).reshape(B, h, n * c, H)
                 for x in (self.store.k, self.store.v))
         return k, v, selection.flat_mask(), self
 

@@ -128,6 +128,15 @@ def _no_store_copy(program, policy, device):
     assert not re.search(re.escape(shape) + r"\{[^}]*\} copy\(", program.hlo)
 
 
+def test_quest_reads_its_pages_in_place(target):
+    """Quest's pages start anywhere, so they are not read as blocks of the store. A gather of 16-row slices from
+    any start made XLA:TPU lay both selecting layers' keys and values out anew, every step (138 MB of a decode
+    step's temporaries at 32k, 4 layers); its pages are now read an index per row there
+    (`kernels.chunks_read_row_by_row`), in place (2 MB)."""
+    policy = Quest(budget=256)
+    _no_store_copy(_compile(policy, target)["decode"], policy, target)
+
+
 @pytest.mark.parametrize("policy", [FullKV(), ClusterKV(budget=256)], ids=["full", "clusterkv"])
 def test_decode_reads_every_weight_in_place(target, policy):
     """No decode step holds a copy of a layer's weights. Under a `lax.scan` over the stacked weights XLA:GPU copied

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from clusterkv_jax import kernels
 from clusterkv_jax.attention import causal_attention
 from clusterkv_jax.offload import HostKV, to_device
 from clusterkv_jax.store import DeviceKV, Selection
@@ -71,13 +72,20 @@ def test_store_protocol_against_numpy(placement):
         np.testing.assert_array_equal(np.asarray(to_device(store.k)), want_k)
 
 
-@pytest.mark.parametrize("aligned", [False, True], ids=["any-start", "aligned"])
-@pytest.mark.parametrize("placement", ["device", "host"])
-def test_chunks_layers_and_window_commits_against_numpy(placement, aligned):
+@pytest.mark.parametrize("placement,aligned,by_row", [
+    ("device", False, False), ("device", True, False), ("device", False, True), ("host", False, False),
+    ("host", True, False)], ids=["device-any-start", "device-aligned", "device-by-row", "host-any-start",
+                                 "host-aligned"])
+def test_chunks_layers_and_window_commits_against_numpy(placement, aligned, by_row):
     """Whole-layer writes, reads of chunks of consecutive rows (the recall cache looking whole chunks up; with
-    `aligned`, chunks that are whole blocks of the store, read as blocks), and the window's rows copied to rows
-    elsewhere (and a commit with every destination out of range: nothing moves), as a NumPy model of the store
-    says."""
+    `aligned`, chunks that are whole blocks of the store, read as blocks; `by_row`, chunks from any start read an
+    index per row, as on a TPU), and the window's rows copied to rows elsewhere (and a commit with every
+    destination out of range: nothing moves), as a NumPy model of the store says."""
+    with kernels.forced_chunks_read_row_by_row(by_row):
+        _chunks_layers_and_window_commits(placement, aligned)
+
+
+def _chunks_layers_and_window_commits(placement, aligned):
     rng = np.random.default_rng(1)
     chunk, c = 4, 3
     if placement == "device":
