@@ -417,11 +417,12 @@ def _at_exit() -> None:
 
 
 def _linger_for_peers(seconds: float = 5.0) -> None:
-    """Before process 0 ends with an error: it hosts the coordination service, and a peer whose service is gone is
-    aborted by JAX's runtime from C++ with a stack trace, before it reads why. So process 0 waits until every peer
-    has ended (each says so in the store as it ends) or `seconds` have passed. Other processes end at once."""
+    """Before process 0 ends with an error where it hosts the coordination service itself (JAX found the cluster;
+    with a coordinator given, the service runs beside it, `_start_service`, and outlives it): a peer whose service
+    is gone is aborted by JAX's runtime from C++ with a stack trace, before it reads why. So process 0 waits until
+    every peer has ended (each says so in the store as it ends) or `seconds` have passed. Others end at once."""
     client, me = _watch.get("client"), _watch.get("me")
-    if client is None or me != 0:
+    if client is None or me != 0 or "process" in _service:
         return
     from jax._src import distributed as jax_distributed
 
