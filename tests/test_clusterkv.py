@@ -685,7 +685,8 @@ def test_block_refine_selects_what_a_numpy_walk_selects(gqa):
 
 @pytest.mark.parametrize("gqa", ["per_head", "shared"])
 def test_token_refine_selects_what_a_numpy_walk_selects(gqa):
-    """token_refine=2: NumPy ranks a KV head's clusters by its query heads' summed q·μ, takes them until twice
+    """token_refine=2: NumPy ranks a KV head's clusters by the best of its query heads' q·μ (gqa "shared": by
+    their summed q·μ), takes them until twice
     the budget (the last trimmed to its first rows), and keeps each query head's best tokens of those by q·k (the
     summed queries' for gqa "shared"): the same positions as the policy, sinks aside, whether the keys are read
     from the store's rows (the decode step) or by position (the recall evaluation)."""
@@ -706,7 +707,12 @@ def test_token_refine_selects_what_a_numpy_walk_selects(gqa):
             qn = summed if gqa == "shared" else q[b, n]
             sizes, starts = np.asarray(state.sizes[b, h]), np.asarray(state.block_start[b, h])
             cent = np.asarray(state.centroids[b, h])
-            clusters = sorted(np.flatnonzero(sizes), key=lambda c: (-float(summed @ cent[c]), c))
+            group = q[b, h * G:(h + 1) * G]
+
+            def rank_score(c):
+                return float(summed @ cent[c]) if gqa == "shared" else max(float(g @ cent[c]) for g in group)
+
+            clusters = sorted(np.flatnonzero(sizes), key=lambda c: (-rank_score(c), c))
             candidates, left = [], 2 * tokens
             for c in clusters:
                 take = min(int(sizes[c]), left)

@@ -190,8 +190,8 @@ class ClusterKV(KVPolicy):
     block_refine: int = option(1, "1: whole clusters (the paper); F: clusters up to F x the budget, then their "
                                   "best blocks by q·(block mean key)", least=1)
     token_refine: int = option(1, "1: whole clusters (the paper); F: clusters up to F x the budget, ranked for each "
-                                  "KV head by its query heads' summed scores, then each query head's best of their "
-                                  "tokens by q·k", least=1)
+                                  "KV head by the best of its query heads' scores (shared: by their sum), then each "
+                                  "query head's best of their tokens by q·k", least=1)
     block_size: int = option(16, "rows per store block: the unit a selection reads", least=1)
     kernels: str = option("auto", "auto: Pallas kernels on CUDA sm80+ (Mosaic on TPU), pure JAX elsewhere; "
                                   "pallas; reference; interpret (slow, tests)", choices=kernels.MODES)
@@ -509,15 +509,15 @@ class ClusterKV(KVPolicy):
 
     def _select_tokens(self, state: ClusterIndex, q, key_blocks, lengths, prompt_lengths) -> Selection:
         """The sinks' rows, then the best `budget - sinks` tokens by q·k of the candidate clusters: those ranked
-        first for the KV head by the sum of its query heads' scores, taken until `token_refine` x that many
+        first for the KV head (`_candidate_scores`), taken until `token_refine` x that many
         tokens. Their keys are read block by block (`key_blocks`, [B, K, n, bs, H]) and scored per query head
         (gqa "shared": by the summed queries, one selection per KV head). Rows [B, h, budget] and their mask."""
         B, N, H = q.shape
         K, bs = state.centroids.shape[1], self.block_size
         tokens = self.budget - self.sinks
         wanted = tokens * self.token_refine
-        shared = dataclasses.replace(self, gqa="shared")._scores(state, q)  # [B, K, 1, C]
-        blocks, rows = rank_and_index(shared, state.sizes[:, :, None], state.block_start[:, :, None], wanted,
+        blocks, rows = rank_and_index(self._candidate_scores(state, q), state.sizes[:, :, None],
+                                      state.block_start[:, :, None], wanted,
                                       self.block_slots(wanted), bs, first=2 * -(-wanted // self.tokens_per_cluster) + 4,
                                       impl=kernels.resolve(self.kernels, "cluster_to_block_index"))
         blocks, rows = blocks[:, :, 0], rows[:, :, 0]  # [B, K, n]
@@ -541,6 +541,15 @@ class ClusterKV(KVPolicy):
                                      (B, K, g, self.sinks))
         return Selection.of_rows(jnp.concatenate([sink_rows, packed], -1).reshape(B, K * g, self.budget),
                                  jnp.concatenate([sink_mask, filled], -1).reshape(B, K * g, self.budget))
+
+    def _candidate_scores(self, state: ClusterIndex, q):
+        """What `token_refine` ranks a KV head's candidate clusters by, [B, K, 1, C]: per_head, the best of its
+        query heads' scores, so a cluster one query head ranks high is read for it even where the others rank it
+        low (the demo's needle: a sum drowned the one head that needed it, docs/research_log.md); shared, the
+        summed queries' score, as the selection itself."""
+        if self.gqa == "shared":
+            return self._scores(state, q)
+        return jnp.max(self._scores(state, q), axis=2, keepdims=True)
 
     def _refine(self, state: ClusterIndex, q, blocks, rows, tokens: int, slots: int):
         """The best blocks of the candidate clusters' blocks [B, K, g, M] (rows used in each: rows), by q·(block
