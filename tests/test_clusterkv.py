@@ -686,10 +686,10 @@ def test_block_refine_selects_what_a_numpy_walk_selects(gqa):
 @pytest.mark.parametrize("gqa", ["per_head", "shared"])
 def test_token_refine_selects_what_a_numpy_walk_selects(gqa):
     """token_refine=2: NumPy ranks a KV head's clusters by the best of its query heads' q·μ (gqa "shared": by
-    their summed q·μ), takes them until twice
-    the budget (the last trimmed to its first rows), and keeps each query head's best tokens of those by q·k (the
-    summed queries' for gqa "shared"): the same positions as the policy, sinks aside, whether the keys are read
-    from the store's rows (the decode step) or by position (the recall evaluation)."""
+    their summed q·μ), takes them until twice the budget (the last trimmed to its first rows), and keeps each query
+    head's best tokens of those by q·k (the summed queries' for gqa "shared"): the same positions as the policy,
+    sinks aside, whether the keys are read from the store's rows (the decode step) or by position (the recall
+    evaluation)."""
     policy, cache, state, keys, q, lengths = _refined_selection_problem(token_refine=2, gqa=gqa)
     idx, mask = policy.selected_positions(state, jnp.asarray(q), jnp.asarray(keys), lengths, lengths)
     idx, mask = np.asarray(idx), np.asarray(mask)

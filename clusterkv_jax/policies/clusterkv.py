@@ -509,9 +509,9 @@ class ClusterKV(KVPolicy):
 
     def _select_tokens(self, state: ClusterIndex, q, key_blocks, lengths, prompt_lengths) -> Selection:
         """The sinks' rows, then the best `budget - sinks` tokens by q·k of the candidate clusters: those ranked
-        first for the KV head (`_candidate_scores`), taken until `token_refine` x that many
-        tokens. Their keys are read block by block (`key_blocks`, [B, K, n, bs, H]) and scored per query head
-        (gqa "shared": by the summed queries, one selection per KV head). Rows [B, h, budget] and their mask."""
+        first for the KV head (`_candidate_scores`), taken until `token_refine` x that many tokens. Their keys are
+        read block by block (`key_blocks`, [B, K, n, bs, H]) and scored per query head (gqa "shared": by the summed
+        queries, one selection per KV head). Rows [B, h, budget] and their mask."""
         B, N, H = q.shape
         K, bs = state.centroids.shape[1], self.block_size
         tokens = self.budget - self.sinks
