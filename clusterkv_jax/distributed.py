@@ -328,7 +328,8 @@ def watch_peers(lost_after: float = LOST_PEER_SECONDS, *, prefix: str = "cluster
         return
     stop, peers_ended = threading.Event(), threading.Event()
     answered = [time.monotonic()]
-    _watch.update(client=client, me=me, stop=stop, peers_ended=peers_ended)
+    _watch.update(client=client, me=me, count=count, stop=stop, peers_ended=peers_ended, prefix=prefix,
+                  exit_code=exit_code, lost_after=lost_after)
 
     def end(why: str) -> None:
         if stop.is_set():  # this process is ending already
@@ -404,7 +405,7 @@ def _at_exit() -> None:
     every peer: a lost one never comes, and after its heartbeat time-out (100 s) the runtime aborts from C++. So a
     process that failed ends here; one that ended normally says so, then waits until every peer has ended its run
     as well (at most `DEFAULT_TIMEOUT` seconds), still watching them (a peer lost meanwhile ends this one with its
-    line), and only then shuts down."""
+    line), and only then shuts down (`_shut_down_watched`)."""
     if "ended" not in _watch:
         end_run(0)
     if _watch["ended"] != 0:
@@ -412,8 +413,33 @@ def _at_exit() -> None:
         sys.stderr.flush()
         _linger_for_peers()
         os._exit(_watch["ended"])
-    _watch["peers_ended"].wait(DEFAULT_TIMEOUT)  # a peer alive but never ending: JAX's shutdown decides, as before
+    everyone_ended = _watch["peers_ended"].wait(DEFAULT_TIMEOUT)
     _watch["stop"].set()
+    _shut_down_watched(_watch["lost_after"], "for a process that had said it ended its run (it was lost in its "
+                       "shutdown: killed, or hung)" if everyone_ended else
+                       f"after waiting {DEFAULT_TIMEOUT:g} s for a process alive that has not ended its run")
+
+
+def _shut_down_watched(seconds: float, waiting: str) -> None:
+    """JAX's shutdown, run here rather than in JAX's own exit hook (which then has nothing left to do), watched: it
+    waits at a barrier for every process, and a peer lost after it said it ended (killed in its own shutdown) never
+    comes; when the coordination service then goes, the runtime aborts this process from C++. Every peer has said it
+    ended, so each reaches the barrier within a beat or two: after `seconds` without the shutdown returning, this
+    process ends with one line (its own run is complete; `waiting` says for whom) and the run's error exit code."""
+    returned = threading.Event()
+
+    def guard() -> None:
+        if returned.wait(seconds):
+            return
+        sys.stderr.write(f"{_watch['prefix']}process {_watch['me']} of {_watch['count']}: JAX's shutdown waited "
+                         f"{seconds:g} s {waiting}; this process ended its own run and ends now\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(_watch["exit_code"])
+
+    threading.Thread(target=guard, name="distributed-shutdown", daemon=True).start()
+    jax.distributed.shutdown()
+    returned.set()
 
 
 def _linger_for_peers(seconds: float = 5.0) -> None:

@@ -55,6 +55,12 @@ def lose(how: str, coordinator: str, process_id: int) -> None:
     initialize(coordinator, 2, process_id, timeout=60 if how != "hung" else 5, lost_peer_seconds=LOST_AFTER_S)
     agreed(1)  # a first collective: both are at work
     print(f"process {process_id} joined", file=sys.stderr, flush=True)
+    if how == "killed0_in_shutdown":  # both end their run; process 0 is killed in JAX's shutdown, after its "ok"
+        if process_id == 0:
+            import jax
+
+            jax.distributed.shutdown = lambda: os.kill(os.getpid(), signal.SIGKILL)
+        return
     lost = 0 if how == "killed0" else 1
     if process_id == lost:
         if how == "hung":
