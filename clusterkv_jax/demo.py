@@ -54,6 +54,12 @@ def haystack(tokenizer, tokens: int, *, seed: int = 0, depth: float = 0.4) -> Ha
     return Haystack(document, "What is the special magic number?", answer, needle, needle_token)
 
 
+def question_prompt(tokenizer, document: str, question: str) -> list[int]:
+    """The demo's prompt ids: the document, a blank line and the question as one user turn of the chat template."""
+    messages = [{"role": "user", "content": f"{document}\n\n{question}"}]
+    return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+
+
 def run_demo(model, *, context: int, budget: int, max_new_tokens: int, seed: int = 0, document: str | None = None,
              question: str | None = None, out=sys.stdout) -> dict:
     """Answers one question with full KV, ClusterKV and StreamingLLM at `budget`, printing what each attended and
@@ -75,8 +81,7 @@ def run_demo(model, *, context: int, budget: int, max_new_tokens: int, seed: int
         ids = tokenizer.encode(document, add_special_tokens=False)[:context]
         document = tokenizer.decode(ids, skip_special_tokens=False)
         print(f"document: the first {len(ids)} tokens of the given text", file=out)
-    messages = [{"role": "user", "content": f"{document}\n\n{question}"}]
-    prompt = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    prompt = question_prompt(tokenizer, document, question)
     compressed = budget < len(prompt)
     print(f"question: {question}", file=out)
     print(f"prompt: {len(prompt)} tokens; budget B={budget}"

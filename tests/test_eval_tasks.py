@@ -186,6 +186,24 @@ def test_needle_sits_at_the_requested_depth(task, depth, smollm2_tokenizer):
     assert len(smollm2_tokenizer.encode(prompt, add_special_tokens=False)) <= 1500
 
 
+def test_demo_needle_task_asks_the_demos_question_of_its_documents(smollm2_tokenizer):
+    """`demo_needle` sample i is `clusterkv demo --seed S+i`'s question: that seed's document and number."""
+    from clusterkv_jax.demo import haystack
+
+    tok = smollm2_tokenizer
+    samples = synthetic.build_samples(tok, "demo_needle", 300, 3, seed=4)
+    assert synthetic.parse_tasks("demo_needle,kv_retrieval") == ["demo_needle", "kv_retrieval"]
+    for i, s in enumerate(samples):
+        stack = haystack(tok, 300, seed=4 + i)
+        assert s["answer"] == stack.answer and s["needle"] == stack.needle and re.fullmatch(r"\d{5}", s["answer"])
+        text = tok.decode(s["prompt_ids"], skip_special_tokens=False)
+        assert text.startswith("<|im_start|>") and text.count(stack.needle) == 1 and text.count(s["answer"]) == 1
+        assert stack.document in text and text.index(stack.document) < text.index(stack.question)
+        document = len(tok.encode(stack.document, add_special_tokens=False))
+        assert 300 <= document < len(s["prompt_ids"]) < document + 80
+    assert len({s["answer"] for s in samples}) == 3
+
+
 def test_synthetic_scoring_and_errors(smollm2_tokenizer):
     assert synthetic.is_correct(" 1234567.", "1234567")
     assert not synthetic.is_correct(" 123456", "1234567")

@@ -132,7 +132,8 @@ def cmd_synthetic(args) -> int:
                             max_new_tokens=args.max_new_tokens)
     tables = {f"accuracy (%), context {c}": results["accuracy"][str(c)] for c in args.context}
     rc = _finish(results, args, "synthetic", tables,
-                 f"Synthetic retrieval, {len(tasks)} tasks x {args.samples} samples", fmt="{:.1f}")
+                 f"Synthetic retrieval, {len(tasks)} task{'s' * (len(tasks) > 1)} x {args.samples} samples",
+                 fmt="{:.1f}")
     _append_markdown(args, "synthetic", "per-task accuracy (%)", task_table(results))
     return rc
 
@@ -187,7 +188,10 @@ def register(sub) -> None:
                      cmd_synthetic, "clusterkv,quest,streaming", needs_text=False)
     sy.add_argument("--context", type=int_list, default=[4000, 8000], help="comma-separated prompt lengths")
     sy.add_argument("--samples", type=positive_int, default=20, help="samples per task and context")
-    sy.add_argument("--tasks", type=_synthetic_tasks, default=None, help="comma-separated (default: all three)")
+    sy.add_argument("--tasks", type=_synthetic_tasks, default=None,
+                    help="comma-separated, of niah_single, niah_multikey, kv_retrieval (RULER's, the default) and "
+                         "demo_needle (`clusterkv demo`'s question for seeds --seed, --seed + 1, ...; its context "
+                         "counts the document's tokens)")
     sy.add_argument("--seed", type=int, default=0)
     sy.add_argument("--batch-size", type=positive_int, default=1, help="prompts generated together")
     sy.add_argument("--max-new-tokens", type=positive_int, default=48)

@@ -5,6 +5,10 @@
 * `niah_multikey`: four needles with different keys at random depths; the question asks for one of them.
 * `kv_retrieval`: a JSON object of uuid keys and uuid values; the question asks for one key's value (the
   queried pair sits at a random depth).
+* `demo_needle` (not among the default three): `clusterkv demo`'s question, sample i asked of the demo's document
+  for seed `seed + i` (everyday sentences around one five-digit number, 40% deep; `demo.haystack`). Its context
+  is the document's tokens, as the demo's `--context` (the prompt is about 60 more): `--tasks demo_needle
+  --context 4096 --samples 20 --budgets 512 --max-new-tokens 16` asks what `clusterkv demo --seed S` asks, S = 0..19.
 
 Each prompt is built (chat template and answer prefix included) to the largest size whose token count is at
 most the requested context. A sample is correct when its expected value appears in the generated text
@@ -24,7 +28,9 @@ from tqdm.auto import tqdm
 from clusterkv_jax.eval.longbench import _runs, generate_batched
 from clusterkv_jax.policies import make_policy, parse_choices
 
-SYNTHETIC_TASKS = ("niah_single", "niah_multikey", "kv_retrieval")
+SYNTHETIC_TASKS = ("niah_single", "niah_multikey", "kv_retrieval")  # RULER's, the default
+DEMO_TASK = "demo_needle"
+TASKS = SYNTHETIC_TASKS + (DEMO_TASK,)
 MULTIKEY_NEEDLES = 4
 
 HAYSTACK = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
@@ -162,13 +168,30 @@ def make_sample(task: str, tokenizer, context: int, rng: np.random.Generator, *,
 def build_samples(tokenizer, task: str, context: int, samples: int, seed: int = 0,
                   chat: bool | None = None) -> list[dict[str, Any]]:
     """`samples` samples of `task`; sample i depends only on (seed, task, context, i)."""
-    if task not in SYNTHETIC_TASKS:
-        raise ValueError(f"unknown synthetic task {task!r}; choose from {', '.join(SYNTHETIC_TASKS)}")
+    if task not in TASKS:
+        raise ValueError(f"unknown synthetic task {task!r}; choose from {', '.join(TASKS)}")
     if chat is None:
         chat = bool(tokenizer.chat_template)
+    if task == DEMO_TASK:
+        return [demo_sample(tokenizer, context, seed + i, chat=chat) for i in range(samples)]
     t = SYNTHETIC_TASKS.index(task)
     return [make_sample(task, tokenizer, context, np.random.default_rng([seed, t, context, i]), chat=chat)
             for i in range(samples)]
+
+
+def demo_sample(tokenizer, context: int, seed: int, *, chat: bool) -> dict[str, Any]:
+    """The demo's question of its document for `seed` with `context` document tokens, prompted as `clusterkv demo`
+    prompts it (`demo.question_prompt`; without a chat template, the document, a blank line and the question)."""
+    from clusterkv_jax.demo import haystack, question_prompt
+
+    stack = haystack(tokenizer, context, seed=seed)
+    if chat:
+        ids = question_prompt(tokenizer, stack.document, stack.question)
+        text = tokenizer.decode(ids, skip_special_tokens=False)
+    else:
+        text, ids = render_prompt(tokenizer, f"{stack.document}\n\n{stack.question}", "", chat)
+    return {"task": DEMO_TASK, "context": context, "prompt": text, "prompt_ids": ids, "answer": stack.answer,
+            "key": None, "needle": stack.needle, "depth": 0.4, "units": None, "seed": seed}
 
 
 def is_correct(prediction: str, answer: str) -> bool:
@@ -177,7 +200,7 @@ def is_correct(prediction: str, answer: str) -> bool:
 
 
 def parse_tasks(text: str) -> list[str]:
-    return parse_choices(text, list(SYNTHETIC_TASKS), "synthetic task")
+    return parse_choices(text, list(TASKS), "synthetic task")
 
 
 def run_synthetic(model, contexts: Sequence[int], samples: int, budgets: list[int], policy_names: list[str],
@@ -202,6 +225,10 @@ def run_synthetic(model, contexts: Sequence[int], samples: int, budgets: list[in
         chat = bool(model.tokenizer.chat_template)
     runs = _runs(policy_names, budgets)
     data = {c: {t: build_samples(model.tokenizer, t, c, samples, seed, chat) for t in tasks} for c in contexts}
+    longest = max(len(s["prompt_ids"]) for by_task in data.values() for group in by_task.values() for s in group)
+    if longest + max_new_tokens > limit:  # demo_needle's prompts pass their context
+        raise ValueError(f"a prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the model's {limit} "
+                         "positions")
     n = len(tasks) * samples
     calls = len(contexts) * len(runs) * -(-n // max(1, min(batch_size, n)))
     results: dict[str, Any] = {
