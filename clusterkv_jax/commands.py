@@ -415,6 +415,8 @@ def run_reporting_errors(run, *, debug: bool, prefix: str, error_code: int, inte
     """run() -> exit code; an error becomes one line `{prefix}error: ...` and `error_code`, Ctrl-C the line
     `interrupted` and 130; with `debug`, both raise (the traceback). Shared by both command-line tools."""
     handle_interrupts_in_python()  # from here on a KeyboardInterrupt is ours to report
+    stderr, sys.stderr = sys.stderr, _LineTracking(sys.stderr)
+    tracked = sys.stderr
     try:
         with interrupts_redelivered():
             return run()
@@ -422,7 +424,7 @@ def run_reporting_errors(run, *, debug: bool, prefix: str, error_code: int, inte
         _tell_peers(130, "interrupted")
         if debug:
             raise
-        print(interrupted, file=sys.stderr)
+        _say(tracked, interrupted)
         return 130
     except Exception as e:  # noqa: BLE001 -- one line for the user; --debug shows the traceback
         _tell_peers(error_code, f"{type(e).__name__}: {e}")
@@ -431,8 +433,34 @@ def run_reporting_errors(run, *, debug: bool, prefix: str, error_code: int, inte
         kind = "" if isinstance(e, (ValueError, TypeError, OSError)) else f" ({type(e).__name__})"
         distributed = sys.modules.get("clusterkv_jax.distributed")
         hint = distributed.lost_peer_hint(str(e)) if distributed is not None else ""
-        print(f"{prefix}error{kind}: {e}{hint}", file=sys.stderr)
+        _say(tracked, f"{prefix}error{kind}: {e}{hint}")
         return error_code
+    finally:
+        if sys.stderr is tracked:
+            sys.stderr = stderr
+
+
+class _LineTracking:
+    """sys.stderr as `run_reporting_errors` runs a command: the same stream, noting whether what was written last
+    ended a line. A progress bar's line has none until the bar closes, and a Ctrl-C can land inside its close (CI
+    once saw "recall: decode steps: 100%|...| 4/4 [...]clusterkv: interrupted"); the error's line then starts one
+    of its own."""
+
+    def __init__(self, stream):
+        self._stream, self.line_ended = stream, True
+
+    def write(self, text):
+        written = self._stream.write(text)
+        if text:
+            self.line_ended = text.endswith("\n")
+        return written
+
+    def __getattr__(self, name):  # everything else as the stream does it (flush, fileno, isatty, encoding, ...)
+        return getattr(self._stream, name)
+
+
+def _say(stderr: _LineTracking, line: str) -> None:
+    print(("" if stderr.line_ended else "\n") + line, file=sys.stderr)
 
 
 def _tell_peers(code: int, message: str) -> None:

@@ -827,6 +827,25 @@ def test_ctrl_c_between_start_and_work_ends_with_one_line_and_130(tiny_model, tm
             assert sorted(os.listdir(tmp_path)) == ["hooks", "src"], (where, os.listdir(tmp_path))
 
 
+@pytest.mark.parametrize("error", [KeyboardInterrupt, ValueError])
+def test_the_error_line_after_a_progress_bar_cut_short_has_a_line_of_its_own(error, capsys):
+    """A Ctrl-C inside a tqdm bar's close can land after its last state and before its newline: CI once saw
+    "recall: decode steps: 100%|...| 4/4 [...]clusterkv: interrupted" as the last line. The error's line now
+    starts a line of its own; after a whole line, no blank one."""
+    from clusterkv_jax.commands import run_reporting_errors
+
+    def run(cut_short: bool):
+        print("steps: 100%|##########| 4/4", file=sys.stderr, end="" if cut_short else "\n")
+        raise error("stopped")
+
+    expected = "tool: interrupted" if error is KeyboardInterrupt else "tool: error: stopped"
+    for cut_short in (True, False):
+        code = run_reporting_errors(lambda: run(cut_short), debug=False, prefix="tool: ", error_code=2,
+                                    interrupted="tool: interrupted")
+        assert code == (130 if error is KeyboardInterrupt else 2)
+        assert capsys.readouterr().err == f"steps: 100%|##########| 4/4\n{expected}\n"
+
+
 def test_ctrl_c_at_any_point_ends_with_one_line_and_130(tiny_model, tmp_path):
     """SIGINT during `eval recall` exited with SIGSEGV after printing "clusterkv: interrupted" in 3 of 7 tries
     (Python's teardown under JAX's running threads), and during a conversion's imports it printed a
