@@ -415,8 +415,8 @@ def run_reporting_errors(run, *, debug: bool, prefix: str, error_code: int, inte
     """run() -> exit code; an error becomes one line `{prefix}error: ...` and `error_code`, Ctrl-C the line
     `interrupted` and 130; with `debug`, both raise (the traceback). Shared by both command-line tools."""
     handle_interrupts_in_python()  # from here on a KeyboardInterrupt is ours to report
-    stderr, sys.stderr = sys.stderr, _LineTracking(sys.stderr)
-    tracked = sys.stderr
+    stderr = sys.stderr
+    sys.stderr = tracked = _LineTracking(stderr)
     try:
         with interrupts_redelivered():
             return run()
