@@ -104,7 +104,7 @@ from clusterkv_jax.config import ModelConfig, RopeScaling  # noqa: E402
 from clusterkv_jax.generate import (GenerationInterrupted, GenerationResult, decode_step, generate,  # noqa: E402
                                     prefill, sample_tokens)
 from clusterkv_jax.loading import Model, load_model  # noqa: E402
-from clusterkv_jax.policies import (ClusterKV, FullKV, InfiniGen, KVPolicy, OracleTopK, Quest,  # noqa: E402
+from clusterkv_jax.policies import (ClusterKV, ClusterKVPaper, FullKV, InfiniGen, KVPolicy, OracleTopK, Quest,  # noqa: E402
                                     SnapKV, StreamingLLM)
 from clusterkv_jax.selection import Selection  # noqa: E402
 from clusterkv_jax.tokenizer import Tokenizer  # noqa: E402
@@ -112,6 +112,7 @@ from clusterkv_jax.tokenizer import Tokenizer  # noqa: E402
 __all__ = [
     "__version__",
     "ClusterKV",
+    "ClusterKVPaper",
     "FullKV",
     "InfiniGen",
     "OracleTopK",

@@ -4,7 +4,8 @@
                                 --budget 1024 --batch 1]
 
 compiles, for an H100 (sm90; `--platform cuda`) or a TPU v5e core (`--platform tpu`), the decode step of full
-KV, ClusterKV and Quest, each with its KV in device memory and offloaded to pinned host memory, and full KV's and
+KV, ClusterKV and Quest as `generate` runs it, each with its KV in device memory and offloaded to pinned host
+memory, the program that indexes their generated tokens between steps (once per window), and full KV's and
 ClusterKV's prefill, with the kernels `kernels="auto"` picks there (on a TPU the Mosaic kernels, on an H100 the
 Triton block indexing: `clusterkv_jax.kernels.AUTO_ON_GPU`; a prompt's attention in cuDNN's fused attention on the
 H100 and in splash attention on the TPU: `kernels.prompt_attention`), and ClusterKV's decode step with every Pallas
@@ -202,11 +203,13 @@ def target_cache(config, policy, *, device, batch: int, context: int, decode_roo
 
 
 def model_programs(config, policies: dict, *, device, batch: int, context: int, decode_room: int = 64,
-                   dtype=jnp.bfloat16, prefill: tuple[str, ...] = ()) -> list[Compiled]:
-    """Compiles `generate.decode_step` for each named policy (a cache of `context + decode_room` tokens, sized as
-    `generate` sizes it: `cache_capacity`) and `generate.prefill` of a `context`-token prompt for the names in
-    `prefill`."""
-    from clusterkv_jax.generate import decode_step
+                   dtype=jnp.bfloat16, prefill: tuple[str, ...] = (), index: tuple[str, ...] = ()) -> list[Compiled]:
+    """Compiles `generate.decode_step` for each named policy as `generate`'s decode loop runs it (`index=False`:
+    the windows of generated tokens are indexed between runs of steps, once per `window_size` steps; a cache of
+    `context + decode_room` tokens, sized as `generate` sizes it: `cache_capacity`), for the names in `index` the
+    program that indexes them between steps (`generate.index_due_windows`: ClusterKV's decode-time K-means), and
+    `generate.prefill` of a `context`-token prompt for the names in `prefill`."""
+    from clusterkv_jax.generate import decode_step, index_due_windows
     from clusterkv_jax.generate import prefill as prefill_step
     from clusterkv_jax.model import for_device, init_params
     from pallas_kernels.dispatch import compile_for
@@ -219,7 +222,10 @@ def model_programs(config, policies: dict, *, device, batch: int, context: int, 
         cache = target_cache(config, policy, device=device, batch=batch, context=context, decode_room=decode_room,
                              dtype=dtype)
         out.append(compile_for_device(f"decode {name}", decode_step, device, params, tokens, cache,
-                                      config=config, policy=policy))
+                                      config=config, policy=policy, index=False))
+        if name in index:
+            out.append(compile_for_device(f"index {name}", index_due_windows, device, cache, config=config,
+                                          policy=policy))
         if name in prefill:
             prompt = jax.ShapeDtypeStruct((batch, context), jnp.int32)
             out.append(compile_for_device(f"prefill {name}", prefill_step, device, params, prompt, tokens, cache,
@@ -265,7 +271,9 @@ def main(argv=None) -> int:
     for name, policy in policies.items():
         try:
             results = model_programs(config, {name: policy}, device=device, batch=args.batch, context=args.context,
-                                     prefill=("full", f"clusterkv@{B}", f"clusterkv@{B} offloaded"))
+                                     prefill=("full", f"clusterkv@{B}", f"clusterkv@{B} offloaded"),
+                                     index=(f"clusterkv@{B}", f"clusterkv@{B} kernels=pallas",
+                                            f"quest@{B}"))
         except Exception as e:  # report every program, then fail
             failed += 1
             print(f"| decode {name} | FAILED: {type(e).__name__}: {str(e)[:500]} |", flush=True)

@@ -8,7 +8,8 @@ and gets back the attention output, the layer group's store and the layer's poli
 - `PrefillChunk`: one chunk of a longer prompt: its K/V are written in position order and it attends to the
   rows so far; `index_prompt` then indexes the selecting layers as `Prefill` would have.
 - `Decode`: one new token per sequence. Before the layers, the selecting layers index their windows where due
-  (`index_windows`, one branch for the step). The token is written where the policy keeps it; a full layer attends
+  (`index_windows`, one branch for the step; `generate`'s loop instead indexes between runs of steps that
+  `steps_until_due` says need none). The token is written where the policy keeps it; a full layer attends
   to every row; a selecting layer (`decode_selecting`) attends
     - to every token its store holds, when the selection would hold them all (`KVPolicy.covers` decided
       statically from the capacity, `covers_now` at run time for a store in device memory, except on a GPU:
@@ -329,6 +330,23 @@ def index_windows(policy, groups, lengths: jax.Array, prompt_lengths: jax.Array,
             store = commit(0, store) if n == 1 else jax.lax.fori_loop(0, n, commit, store)
             groups[j] = groups[j].replace(store=store, state=new)
     return tuple(groups)
+
+
+def steps_until_due(policy, groups, lengths: jax.Array, prompt_lengths: jax.Array, capacity: int):
+    """[] int32: how many decode steps can run, from `lengths` [B] tokens stored, before a selecting layer's window
+    may fall due (`KVPolicy.recent_due` needs `window_size` tokens past `window_start`, and each step stores one
+    token per sequence); at least 1. None where no layer indexes a window. `generate`'s decode loop runs that many
+    steps without `index_windows`, then indexes every layer once, so its steps hold no branch and none of the
+    writes that indexing adds."""
+    picked = [group for group in groups if group.selecting]
+    W = policy.window_size(capacity)
+    if not picked or not W:
+        return None
+    if policy.recent_due(jax.tree.map(lambda s: s[0], picked[0].state), lengths) is None:
+        return None
+    held = [jnp.max(lengths - jax.vmap(lambda s: policy.window_start(s, lengths, prompt_lengths))(group.state))
+            for group in picked]  # the most tokens any layer's window holds
+    return jnp.maximum(W - functools.reduce(jnp.maximum, held), 1).astype(jnp.int32)
 
 
 def decode_selecting(policy, state, q: jax.Array, view, lengths: jax.Array, prompt_lengths: jax.Array,

@@ -476,6 +476,7 @@ def attended_per_step(policy, config, prompt_length: int, max_new_tokens: int = 
     windowed layers are named for what they are."""
     from clusterkv_jax.cache import SELECTING, WINDOWED, layer_kinds
     from clusterkv_jax.generate import bucket_length, cache_capacity
+    from clusterkv_jax.policies import ClusterKV
 
     kinds = [k.attention for k in layer_kinds(config, policy, cache_capacity(bucket_length(prompt_length),
                                                                                max_new_tokens))]
@@ -502,14 +503,14 @@ def attended_per_step(policy, config, prompt_length: int, max_new_tokens: int = 
         return (f"attends {budget} tokens per step, the first {policy.sinks} and the most recent "
                 f"{budget - policy.sinks}, of the {prompt_length} prompt tokens and the generated ones, "
                 f"{layers}{windows}")
-    if policy.name == "clusterkv":
+    if isinstance(policy, ClusterKV):
         later = f"and the generated tokens not clustered yet (at most {policy.decode_interval})"
     elif policy.window_size(prompt_length + 1) >= prompt_length + 1:  # a budget on the prompt only
         later = "and every generated token"
     else:
         later = "and the generated tokens not indexed yet"
     how = ""
-    if policy.name == "clusterkv":
+    if isinstance(policy, ClusterKV):
         how = (f" chosen by q·k among the tokens of the top clusters ({policy.token_refine}x B)"
                if policy.token_refine > 1 else " chosen by cluster")
     return f"attends {budget} of the {prompt_length} prompt tokens per step{how} {later}, {layers}{windows}"

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from clusterkv_jax import attend as attend_module
 from clusterkv_jax import sharding as sh
 from clusterkv_jax.cache import KVCache, init_cache
 from clusterkv_jax.config import ModelConfig
@@ -91,16 +92,31 @@ def prefill(params, tokens, lengths, cache: KVCache, *, config: ModelConfig, pol
     return logits, pin_cache(cache, config, policy, sharding)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "policy", "sharding"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("config", "policy", "sharding", "index"), donate_argnames=("cache",))
 @in_mesh_scope
-def decode_step(params, tokens, cache: KVCache, *, config: ModelConfig, policy: KVPolicy, sharding=None):
+def decode_step(params, tokens, cache: KVCache, *, config: ModelConfig, policy: KVPolicy, sharding=None,
+                index: bool = True):
     """tokens [B] -> (logits [B, V], cache with the tokens appended). The input cache is donated.
     `sharding`: as for `prefill`. The caller keeps cache.lengths < cache.capacity (a traced length cannot
     raise under jit; a full cache does not store the new token's KV): size it with `cache_capacity`, as
-    `generate` does."""
+    `generate` does. The step first indexes the windows that are due; `index=False` is the step as `generate`'s
+    loop runs it, for a caller that indexes them itself (`index_due_windows`) before they fall due
+    (`attend.steps_until_due`)."""
     cache = pin_cache(cache, config, policy, sharding)
-    logits, cache = forward_decode(params, config, policy, tokens, cache)
+    logits, cache = forward_decode(params, config, policy, tokens, cache, index=index)
     return logits, pin_cache(cache, config, policy, sharding)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "policy", "sharding"), donate_argnames=("cache",))
+@in_mesh_scope
+def index_due_windows(cache: KVCache, *, config: ModelConfig, policy: KVPolicy, sharding=None):
+    """-> (the cache with the selecting layers' due windows indexed, the decode steps that can then run with
+    `decode_step(..., index=False)` before the next may fall due ([] int32; None where no layer indexes a window)).
+    The input cache is donated."""
+    cache = pin_cache(cache, config, policy, sharding)
+    groups = attend_module.index_windows(policy, cache.groups, cache.lengths, cache.prompt_lengths, cache.capacity)
+    cache = pin_cache(cache.replace(groups=groups), config, policy, sharding)
+    return cache, attend_module.steps_until_due(policy, groups, cache.lengths, cache.prompt_lengths, cache.capacity)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -222,8 +238,18 @@ def _decode(params, loop: DecodeLoop, sampling: Sampling, eos_ids, pad_id, stop_
     def keep_going(loop: DecodeLoop):
         return (loop.step < limit) & ~jnp.all(loop.done) & (loop.nonfinite < 0)
 
+    def until_due(cache: KVCache):
+        return attend_module.steps_until_due(policy, cache.groups, cache.lengths, cache.prompt_lengths,
+                                             cache.capacity)
+
+    # Where layers index windows of generated tokens, the steps run in intervals: every layer indexes what is due
+    # (one branch), then the steps until the next window can fall due run without asking. So a step holds no
+    # branch (on a GPU each waits for the host) and none of indexing's writes (a dozen small kernels a selecting
+    # layer), which happen once per interval instead of on every step.
+    intervals = until_due(loop.cache) is not None
+
     def step_fn(loop: DecodeLoop) -> DecodeLoop:
-        logits, cache = forward_decode(params, config, policy, loop.last, loop.cache)
+        logits, cache = forward_decode(params, config, policy, loop.last, loop.cache, index=not intervals)
         key, sub = jax.random.split(loop.key)
         nxt = jnp.where(loop.done, pad_id, sample_tokens(logits, sampling, sub))
         nonfinite = jnp.where(_all_finite(logits, ~loop.done), loop.nonfinite, loop.step)
@@ -232,7 +258,15 @@ def _decode(params, loop: DecodeLoop, sampling: Sampling, eos_ids, pad_id, stop_
                           done=loop.done | jnp.isin(nxt, eos_ids), counts=loop.counts + (~loop.done).astype(jnp.int32),
                           key=key, nonfinite=nonfinite)
 
-    loop = jax.lax.while_loop(keep_going, step_fn, loop)
+    def interval_fn(loop: DecodeLoop) -> DecodeLoop:
+        cache = loop.cache
+        with jax.named_scope("index_between_steps"):
+            cache = pin(cache.replace(groups=attend_module.index_windows(policy, cache.groups, cache.lengths,
+                                                                         cache.prompt_lengths, cache.capacity)))
+        end = loop.step + until_due(cache)
+        return jax.lax.while_loop(lambda loop: keep_going(loop) & (loop.step < end), step_fn, loop.replace(cache=cache))
+
+    loop = jax.lax.while_loop(keep_going, interval_fn if intervals else step_fn, loop)
     return loop.replace(cache=pin(loop.cache))
 
 

@@ -417,9 +417,14 @@ def forward_decode(
     policy,
     tokens: jax.Array,  # [B] one new token per sequence
     cache: KVCache,
+    index: bool = True,
 ) -> tuple[jax.Array, KVCache]:
-    """Appends one token per sequence at position `cache.lengths` and returns its logits [B, V]."""
-    groups = attend_module.index_windows(policy, cache.groups, cache.lengths, cache.prompt_lengths, cache.capacity)
+    """Appends one token per sequence at position `cache.lengths` and returns its logits [B, V]. First the
+    selecting layers index the windows that are due (`attend.index_windows`); `index=False` skips that, for a
+    caller that indexes them itself before they are due (`generate`'s loop: `attend.steps_until_due`)."""
+    groups = cache.groups
+    if index:
+        groups = attend_module.index_windows(policy, groups, cache.lengths, cache.prompt_lengths, cache.capacity)
     step = attend_module.Decode(policy, cache.lengths, cache.prompt_lengths, cache.capacity,
                                 config.attn_logit_softcapping)
     x, groups = _run_layers(params, config, cache, _embed(params, config, tokens)[:, None], cache.lengths[:, None],

@@ -72,9 +72,10 @@ def _named(kernels, device):
     return tuple(k + "_tpu" for k in kernels) if device.platform == "tpu" else tuple(kernels)
 
 
-def _compile(policy, device, prefill=False, context=CONTEXT):
+def _compile(policy, device, prefill=False, context=CONTEXT, index=False):
     return {r.name.split()[0]: r for r in aot.model_programs(CONFIG, {"p": policy}, device=device, batch=BATCH,
-                                                              context=context, prefill=("p",) if prefill else ())}
+                                                              context=context, prefill=("p",) if prefill else (),
+                                                              index=("p",) if index else ())}
 
 
 def _host_bytes(policy, context=CONTEXT):
@@ -160,20 +161,20 @@ def _top_level(hlo: str, op: str) -> int:
 @pytest.mark.parametrize("policy", [FullKV(), ClusterKV(budget=256), Quest(budget=256),
                                     ClusterKV(budget=256, offload=True)],
                          ids=["full", "clusterkv", "quest", "clusterkv-offloaded"])
-def test_a_gpu_decode_step_waits_for_the_host_at_most_once(target, policy):
+def test_a_gpu_decode_step_never_waits_for_the_host(target, policy):
     """XLA:GPU runs a conditional by copying its predicate to the host and waiting for it (`ConditionalThunk`; a
     while loop likewise, each iteration), so each drains the device's queue before the next kernels are launched.
-    On sm90 a decode step runs at most one conditional on every call (the due windows' indexing, for every layer at
-    once: `attend.index_windows`; its K-means loop runs only on the steps it is due) and no while loop. With two
-    conditionals per selecting layer (indexing, and whether the selection held every token) and a third for
-    ranking, ClusterKV@1024 stepped in 19.1 ms against full KV's 12.5 on an H200 at 32k (docs/research_log.md).
-    An offloaded store's host reads and writes are loops over what misses (`offload`), not bounded here. On a TPU
-    branches are decided on the device: not bounded there."""
+    On sm90 the decode step `generate`'s loop runs holds no conditional and no while loop: the windows' indexing
+    runs between runs of steps (`attend.steps_until_due`), once per window. With two conditionals per selecting
+    layer (indexing, and whether the selection held every token) and a third for ranking, ClusterKV@1024 stepped in
+    19.1 ms against full KV's 12.5 on an H200 at 32k (docs/research_log.md); one branch for every layer's
+    indexing, with its writes outside it, was the step until then. An offloaded store's host reads and writes are
+    loops over what misses (`offload`), not bounded here. On a TPU branches are decided on the device: not bounded
+    there."""
     if target.platform != "gpu":
         pytest.skip("a TPU decides its branches on the device")
     program = _compile(policy, target)["decode"]
-    conditionals = 0 if isinstance(policy, FullKV) else 1
-    assert _top_level(program.hlo, "conditional") == conditionals
+    assert _top_level(program.hlo, "conditional") == 0
     if not policy.offload:
         assert _top_level(program.hlo, "while") == 0
 
@@ -181,13 +182,14 @@ def test_a_gpu_decode_step_waits_for_the_host_at_most_once(target, policy):
 @pytest.mark.parametrize("gqa", ["per_head", "shared"])
 def test_clusterkv_decode_and_prefill_compile_with_the_pallas_kernels(target, gqa):
     """kernels="pallas": on sm90 the Triton kernels, on a TPU their Mosaic versions: the decode step holds the
-    cluster-to-block indexing, the page-table attention and (in the decode-time clustering) the centroid update;
-    prefill holds K-means' centroid update (and the prompt's flash attention). kernels="auto": on a TPU the same; on sm90 the block indexing alone.
-    kernels="reference" compiles to none."""
+    cluster-to-block indexing and the page-table attention, the decode-time clustering between steps
+    (`index_due_windows`) K-means' centroid update; prefill holds the centroid update (and the prompt's flash
+    attention). kernels="auto": on a TPU the same; on sm90 the block indexing alone. kernels="reference" compiles to
+    none."""
     policy = ClusterKV(budget=256, gqa=gqa, kernels="pallas")
-    programs = _compile(policy, target, prefill=True)
-    assert programs["decode"].kernels == _named(("centroid_update", "cluster_to_block_index", "selected_attention"),
-                                                target)
+    programs = _compile(policy, target, prefill=True, index=True)
+    assert programs["decode"].kernels == _named(("cluster_to_block_index", "selected_attention"), target)
+    assert programs["index"].kernels == _named(("centroid_update",), target)
     assert programs["prefill"].kernels == tuple(sorted(_named(("centroid_update",), target)
                                                       + (PROMPT_KERNEL[target.platform],)))
     assert programs["decode"].host_argument_bytes == 0 and programs["decode"].host_buffers == 0
@@ -257,14 +259,15 @@ def test_family_geometries_compile_with_the_pallas_kernels(target, geometry):
     (Triton or Mosaic) on the target."""
     config = synthetic_config(geometry, layers=6 if geometry == "gemma3-12b" else 3)
     programs = aot.model_programs(config, {"p": ClusterKV(budget=256, kernels="pallas")}, device=target, batch=1,
-                                  context=CONTEXT)
-    assert programs[0].kernels == _named(("centroid_update", "cluster_to_block_index", "selected_attention"), target)
+                                  context=CONTEXT, index=("p",))
+    assert programs[0].kernels == _named(("cluster_to_block_index", "selected_attention"), target)
+    assert programs[1].name == "index p" and programs[1].kernels == _named(("centroid_update",), target)
 
 
 def test_cli_prints_one_row_per_program(target, capsys):
     platform = "cuda" if target.platform == "gpu" else "tpu"
     assert aot.main(["--layers", "3", "--context", "1024", "--budget", "256", "--platform", platform]) == 0
     out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if line.startswith("| decode") or line.startswith("| prefill")]
-    assert len(rows) == 11 and out.rstrip().endswith("all programs compiled")
+    rows = [line for line in out.splitlines() if line.startswith(("| decode", "| prefill", "| index"))]
+    assert len(rows) == 14 and out.rstrip().endswith("all programs compiled")
     assert np.all(["FAILED" not in r for r in rows])

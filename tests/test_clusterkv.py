@@ -14,8 +14,8 @@ from clusterkv_jax.config import ModelConfig
 from clusterkv_jax.generate import Sampling, decode_step, generate, generate_ids, prefill
 from clusterkv_jax.loading import Model
 from clusterkv_jax.model import init_params
-from clusterkv_jax.policies import FullKV, SnapKV
-from clusterkv_jax.policies.clusterkv import ClusterKV, rank_and_index
+from clusterkv_jax.policies import FullKV, Quest, SnapKV
+from clusterkv_jax.policies.clusterkv import ClusterKV, ClusterKVPaper, rank_and_index
 from tests.helpers import generation_programs, triton_mode
 
 CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
@@ -114,26 +114,28 @@ def test_clusters_partition_the_prompt_past_the_sinks():
     assert all(g.state is None for g in cache.groups if g.layers[0] < 2)
 
 
-def test_selection_is_ranked_clusters_with_the_last_trimmed():
-    policy = ClusterKV(budget=40, **SMALL)
+@pytest.mark.parametrize("policy", [ClusterKV(budget=40, **SMALL), ClusterKVPaper(budget=48)], ids=["small", "paper"])
+def test_selection_is_ranked_clusters_with_the_last_trimmed(policy):
+    """A brute-force walk of the rule: clusters by q·μ, whole until the budget, the last trimmed to its first
+    members by position. The paper's preset (16 sinks, L/80 clusters) walks the same rule."""
     _, cache = run(policy, TOKENS, LENGTHS, steps=0)
     state = _layer_state(cache, 3)
     q = jax.random.normal(jax.random.PRNGKey(1), (3, CFG.num_heads, CFG.head_dim))
     lengths = jnp.asarray(LENGTHS)
     idx, mask = policy.selected_positions(state, q, None, lengths, lengths)
     idx, mask = np.asarray(idx), np.asarray(mask)
-    G = CFG.num_heads // CFG.num_kv_heads
+    G, B, sinks = CFG.num_heads // CFG.num_kv_heads, policy.budget, policy.sinks
+    trims = 0
     for b, L in enumerate(LENGTHS):
         for n in range(CFG.num_heads):
             chosen = idx[b, n][mask[b, n]]
-            assert len(chosen) == len(set(chosen)) == min(40, L), "distinct, exactly min(B, available)"
+            assert len(chosen) == len(set(chosen)) == min(B, L), "distinct, exactly min(B, available)"
             assert chosen.min() >= 0 and chosen.max() < L
-            assert set(range(4)) <= set(chosen.tolist()), "sinks always selected"
-            # Brute force: rank clusters by q·μ, whole clusters until the budget, the last one partial.
+            assert set(range(sinks)) <= set(chosen.tolist()), "sinks always selected"
             members = _members(state, b, n // G)
             cent = np.asarray(state.centroids[b, n // G])
             ranked = sorted(members, key=lambda c: -float(np.dot(np.asarray(q[b, n]), cent[c])))
-            rest, left = set(chosen.tolist()) - set(range(4)), 36
+            rest, left = set(chosen.tolist()) - set(range(sinks)), B - sinks
             for c in ranked:
                 if left <= 0:
                     assert not (members[c] & rest), "a lower-ranked cluster leaked in"
@@ -141,8 +143,9 @@ def test_selection_is_ranked_clusters_with_the_last_trimmed():
                     assert members[c] <= rest, "a whole higher-ranked cluster is missing"
                     left -= len(members[c])
                 else:
-                    assert len(members[c] & rest) == left, "the last cluster is trimmed to fit exactly"
-                    left = 0
+                    assert members[c] & rest == set(sorted(members[c])[:left]), "the last one trimmed to its first"
+                    left, trims = 0, trims + 1
+    assert trims, "some selection trimmed a cluster"
 
 
 def _keys_by_position(cache, layer, state):
@@ -202,6 +205,40 @@ def test_generate_with_clusterkv_compiles_once():
     b = generate(model, [TOKENS[2, :90].tolist(), TOKENS[0, :60].tolist()], 40, policy=policy, stop_at_eos=False)
     assert generation_programs() - before == 2
     assert all(len(t) == 40 for t in a.tokens + b.tokens)
+
+
+@pytest.mark.parametrize("policy", [ClusterKV(budget=40, **SMALL), Quest(budget=32, page_size=8),
+                                    ClusterKV(budget=40, offload=True, **SMALL)], ids=["clusterkv", "quest", "offloaded"])
+def test_generate_indexes_between_steps_what_each_step_would_index(policy):
+    """`generate`'s decode loop runs the steps without indexing (`decode_step(index=False)`) and indexes every
+    layer's due windows between runs of them (`attend.steps_until_due`): the tokens and the final cache (clusters or
+    pages, the store's rows) equal those of `decode_step` stepping one token at a time, which indexes inside each
+    step. Ragged prompts, 50 tokens: several windows of 16 (ClusterKV) or pages of 8 (Quest)."""
+    from clusterkv_jax.generate import bucket_length, cache_capacity
+
+    prompts, steps = [TOKENS[0, :150], TOKENS[1, :97], TOKENS[2, :61]], 50
+    lengths = np.array([len(p) for p in prompts])
+    bucket = bucket_length(int(lengths.max()))
+    tokens = np.zeros((3, bucket), np.int32)
+    for b, p in enumerate(prompts):
+        tokens[b, :len(p)] = p
+    capacity = cache_capacity(bucket, steps)
+    out, _, looped = generate_ids(PARAMS, jnp.asarray(tokens), jnp.asarray(lengths), Sampling.make(),
+                                  jax.random.PRNGKey(0), jnp.zeros((0,), jnp.int32), jnp.int32(0), config=CFG,
+                                  policy=policy, max_new_tokens=steps, capacity=capacity,
+                                  cache_dtype=jnp.dtype(jnp.float32))
+    cache = init_cache(CFG, policy, 3, capacity, jnp.float32)
+    logits, cache = prefill(PARAMS, jnp.asarray(tokens), jnp.asarray(lengths), cache, config=CFG, policy=policy)
+    stepped = [np.asarray(jnp.argmax(logits, -1))]
+    for _ in range(steps - 1):
+        logits, cache = decode_step(PARAMS, jnp.asarray(stepped[-1], jnp.int32), cache, config=CFG, policy=policy)
+        stepped.append(np.asarray(jnp.argmax(logits, -1)))
+    np.testing.assert_array_equal(np.asarray(out), np.stack(stepped, 1))
+    for got, want in zip(jax.tree.leaves(looped), jax.tree.leaves(cache)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    indexed = np.asarray(cache.policy_state.clustered_upto if isinstance(policy, ClusterKV)
+                         else cache.policy_state.indexed_upto)  # [selecting layers, B]
+    assert np.all(indexed >= lengths + (steps - 1) // SMALL["decode_interval"] * SMALL["decode_interval"]), indexed
 
 
 def test_generate_times_prefill_and_decode_apart_with_the_tokens_of_one_program():

@@ -439,20 +439,31 @@ def test_policy_fields_are_checked():
 def test_policy_flags_build_the_policies_they_name():
     from clusterkv_jax.cli import build_parser
     from clusterkv_jax.commands import policy_options
-    from clusterkv_jax.policies import ClusterKV, InfiniGen, Quest, SnapKV, make_policy
+    from clusterkv_jax.policies import ClusterKV, ClusterKVPaper, InfiniGen, Quest, SnapKV, make_policy
+    from clusterkv_jax.policies.clusterkv import PAPER_RULE
 
     args = build_parser().parse_args(
-        ["eval", "recall", "--model", "m", "--text", "t", "--policies", "clusterkv,quest,snapkv,infinigen",
+        ["eval", "recall", "--model", "m", "--text", "t", "--policies",
+         "clusterkv,clusterkv-paper,quest,snapkv,infinigen",
          "--score", "density", "--block-refine", "4", "--tokens-per-cluster", "40", "--block-size", "4",
-         "--quest-sinks", "16", "--gqa", "shared", "--kmeans-seed", "3"])
+         "--quest-sinks", "16", "--gqa", "shared", "--kmeans-seed", "3", "--clusterkv-paper-gqa", "shared"])
     options = policy_options(args)
     built = {name: make_policy(name, 512, **options.get(name, {})) for name in args.policies}
     assert built == {"clusterkv": ClusterKV(budget=512, score="density", block_refine=4, tokens_per_cluster=40,
                                             block_size=4, gqa="shared", seed=3),
+                     "clusterkv-paper": ClusterKVPaper(budget=512, gqa="shared"),
                      "quest": Quest(budget=512, sinks=16), "snapkv": SnapKV(budget=512),
                      "infinigen": InfiniGen(budget=512)}
-    with pytest.raises(SystemExit):  # argparse's one-line usage error
-        build_parser().parse_args(["eval", "recall", "--model", "m", "--text", "t", "--block-size", "0"])
+    # The paper's preset holds its rule whatever ClusterKV's defaults and flags say; the rule makes no flags.
+    assert {f: getattr(built["clusterkv-paper"], f) for f in PAPER_RULE} == PAPER_RULE == {
+        "sinks": 16, "tokens_per_cluster": 80, "decode_interval": 320, "decode_clusters": 4, "score": "dot",
+        "block_refine": 1, "token_refine": 1}
+    assert built["clusterkv-paper"].full_layers == 2
+    with pytest.raises(ValueError, match="tokens_per_cluster=40: use ClusterKV"):
+        ClusterKVPaper(budget=512, tokens_per_cluster=40)
+    for bad in (["--block-size", "0"], ["--clusterkv-paper-tokens-per-cluster", "40"]):
+        with pytest.raises(SystemExit):  # argparse's one-line usage error
+            build_parser().parse_args(["eval", "recall", "--model", "m", "--text", "t", *bad])
 
 
 @settings(max_examples=15, deadline=None)

@@ -35,7 +35,7 @@ from clusterkv_jax.cache import SELECTING, KVCache, init_cache, kv_bytes, layer_
 from clusterkv_jax.config import ModelConfig
 from clusterkv_jax.policies import make_policy
 from clusterkv_jax.generate import (INTERRUPT_SECONDS, Sampling, bucket_length, cache_capacity, decode_in_chunks,
-                                    decode_step, prefill, start_generation)
+                                    decode_step, index_due_windows, prefill, start_generation)
 from clusterkv_jax.offload import hit_rates
 from clusterkv_jax.policies import FullKV, KVPolicy
 
@@ -106,6 +106,8 @@ class _Run:
     step: Any  # AOT-compiled decode step
     times: list[float]
     info: dict[str, Any]
+    index: Any = None  # AOT-compiled `index_due_windows`
+    until: int | None = None  # steps before a window may fall due (None: the policy indexes no window)
 
 
 def decode_loop_seconds(params, config: ModelConfig, policy: KVPolicy, prompts: np.ndarray, decode: int, *,
@@ -215,12 +217,15 @@ def bench_decode(
                 cache, token, info = real_prefill(params, config, policy, prompts, capacity, dtype, rules)
             else:
                 cache, token, info = synthetic_prefill(config, policy, kv, context, capacity, dtype)
+            # The step as `generate`'s loop runs it: windows indexed between runs of steps that need none.
+            index, index_s = compiled(index_due_windows, cache, config=config, policy=policy, sharding=rules)
+            cache, until = index(cache)
             step, compile_s = compiled(decode_step, params, token, cache, config=config, policy=policy,
-                                       sharding=rules)
-            info["decode_compile_s"] = compile_s
+                                       sharding=rules, index=until is None)
+            info["decode_compile_s"] = compile_s + index_s
             info["kv_bytes"] = kv_bytes(cache)
             info["tokens"] = [int(token[0])]  # sequence 0's greedy tokens: what was decoded, for checking
-            runs[name] = _Run(cache, token, step, [], info)
+            runs[name] = _Run(cache, token, step, [], info, index, None if until is None else int(until))
         # Each policy's indexing alone, on the prompt keys full KV stored (the keys every policy indexes).
         full_cache = runs["full"].cache
         for name, policy in policies.items():
@@ -241,8 +246,14 @@ def bench_decode(
                 if name == "hf-full":
                     run.times.append(hf.step())
                     continue
-                (logits, run.cache), seconds = timed(run.step, params, run.token, run.cache)
-                run.times.append(seconds)
+                seconds = 0.0
+                if run.until == 0:  # a window falls due: index it, timed as part of this step
+                    (run.cache, until), seconds = timed(run.index, run.cache)
+                    run.until = int(until)
+                (logits, run.cache), step_seconds = timed(run.step, params, run.token, run.cache)
+                run.times.append(seconds + step_seconds)
+                if run.until is not None:
+                    run.until -= 1
                 run.token = jnp.argmax(logits, -1).astype(jnp.int32)
                 run.info["tokens"].append(int(run.token[0]))
         row: dict[str, Any] = {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from clusterkv_jax.policies.base import KVPolicy, option
-from clusterkv_jax.policies.clusterkv import ClusterKV
+from clusterkv_jax.policies.clusterkv import ClusterKV, ClusterKVPaper
 from clusterkv_jax.policies.full import FullKV
 from clusterkv_jax.policies.infinigen import InfiniGen
 from clusterkv_jax.policies.oracle import OracleTopK
@@ -15,7 +15,7 @@ from clusterkv_jax.policies.streaming import StreamingLLM
 
 #: Every policy by its name (`KVPolicy.name`), full KV first.
 POLICIES: dict[str, type[KVPolicy]] = {cls.name: cls for cls in
-                                       (FullKV, ClusterKV, Quest, StreamingLLM, SnapKV, InfiniGen, OracleTopK)}
+                                       (FullKV, ClusterKV, ClusterKVPaper, Quest, StreamingLLM, SnapKV, InfiniGen, OracleTopK)}
 
 
 def make_policy(name: str, budget: int, **options: Any) -> KVPolicy:
@@ -42,5 +42,5 @@ def parse_policies(text: str) -> list[str]:
     return parse_choices(text, list(POLICIES), "policy")
 
 
-__all__ = ["KVPolicy", "ClusterKV", "FullKV", "InfiniGen", "OracleTopK", "Quest", "SnapKV", "StreamingLLM",
+__all__ = ["KVPolicy", "ClusterKV", "ClusterKVPaper", "FullKV", "InfiniGen", "OracleTopK", "Quest", "SnapKV", "StreamingLLM",
            "POLICIES", "make_policy", "option", "parse_choices", "parse_policies"]

@@ -12,9 +12,10 @@ SnapKV and InfiniGen need), then `after_prefill` (index the prompt's keys), then
 position goes in the store).
 
 Decode: before the step's layers, each selecting layer whose window of recent tokens the policy has not indexed
-yet is due (`recent_due`) indexes it (`index_due`, under one branch for the step and every layer:
+yet is due (`recent_due`) indexes it (`index_due`, under one branch for every layer:
 `clusterkv_jax.attend.index_windows`; `add_indexed` writes the result in outside the branch; `recent_moves` says
-which store rows that moves); then, per selecting layer, `select` returns
+which store rows that moves; `generate`'s loop does this between runs of steps that need none,
+`attend.steps_until_due`); then, per selecting layer, `select` returns
 a `Selection` of the rows to attend beside the window. `covers` (static) and `covers_now` (traced; not asked on a
 GPU, where a branch waits for the host) say when the selection would hold every token: attention then reads the
 whole layer, as full KV does, and costs what it costs.
@@ -179,7 +180,9 @@ class KVPolicy:
     def recent_due(self, state: Any, lengths: jax.Array) -> jax.Array | None:
         """[B] whether each sequence's window is due for indexing, `lengths` [B] the tokens it has stored (the window
         is indexed before the step that adds a token to it: it holds at most W tokens, the new one included).
-        None (the default): the policy never indexes a window."""
+        None (the default): the policy never indexes a window. A window is due only once it holds `window_size`
+        tokens (lengths - window_start >= W): `generate` runs the steps before that without asking
+        (`clusterkv_jax.attend.steps_until_due`)."""
         return None
 
     def index_due(self, state: Any, recent_keys, due: jax.Array, prompt_lengths: jax.Array) -> Any:
@@ -192,8 +195,9 @@ class KVPolicy:
 
     def add_indexed(self, state: Any, added: Any, due: jax.Array) -> Any:
         """The state with `added` (`index_due`'s) written in where due [B], the other sequences' as they were. It
-        runs on every decode step, outside the branch (a branch that returned the whole state would be copied
-        whole on the steps nothing is due): write only what indexing adds, in place (slices, scatters)."""
+        runs outside the branch, on every `index_windows` call (a branch that returned the whole state would be
+        copied whole when nothing is due): write only what indexing adds, in place (slices, scatters).
+        `generate`'s steps do not run it: its loop indexes once per window, between steps."""
         return state
 
     def index_recent(self, state: Any, recent_keys, lengths: jax.Array, prompt_lengths: jax.Array) -> Any:

@@ -575,3 +575,37 @@ class ClusterKV(KVPolicy):
         R = state.row_positions.shape[-1]
         positions = jnp.take_along_axis(state.row_positions, jnp.clip(rows, 0, R - 1), axis=-1)
         return positions.reshape(B, h, n * selection.chunk)
+
+
+#: The selection rule of the ClusterKV paper (Liu et al., 2024): 16 sinks, C0 = (L - 16) / 80 prompt clusters, 4
+#: clusters of every 320 generated tokens, clusters ranked by q·μ and taken whole until the budget, the last one
+#: trimmed to its first members in position order. `ClusterKVPaper` holds these values (and the paper's 2 full
+#: layers by default).
+PAPER_RULE = {"sinks": 16, "tokens_per_cluster": 80, "decode_interval": 320, "decode_clusters": 4, "score": "dot",
+              "block_refine": 1, "token_refine": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterKVPaper(ClusterKV):
+    """ClusterKV as the paper selects (`PAPER_RULE`), whatever `ClusterKV`'s defaults are: for reproduction, and
+    to set the paper's rule beside the default in one run (`--policies clusterkv,clusterkv-paper`). The rule's
+    fields take no other value (they make no flags); the budget, the full layers (the paper's 2 by default; a
+    one-layer benchmark sets 0), offloading, kernels, GQA mode and K-means' own settings are free."""
+
+    name = "clusterkv-paper"
+    sinks: int = PAPER_RULE["sinks"]
+    tokens_per_cluster: int = PAPER_RULE["tokens_per_cluster"]
+    decode_interval: int = PAPER_RULE["decode_interval"]
+    decode_clusters: int = PAPER_RULE["decode_clusters"]
+    full_layers: int = option(2, FULL_LAYERS_HELP, least=0)
+    score: str = PAPER_RULE["score"]
+    block_refine: int = PAPER_RULE["block_refine"]
+    token_refine: int = PAPER_RULE["token_refine"]
+
+    def __post_init__(self):
+        super().__post_init__()
+        changed = {f: getattr(self, f) for f, value in PAPER_RULE.items() if getattr(self, f) != value}
+        if changed:
+            listed = lambda values: ", ".join(f"{f}={v!r}" for f, v in values.items())  # noqa: E731
+            raise ValueError(f"{self.name} is the paper's rule ({listed(PAPER_RULE)}); it was given {listed(changed)}: "
+                             "use ClusterKV (--policies clusterkv) for another rule")
