@@ -290,12 +290,9 @@ def index_windows(policy, groups, lengths: jax.Array, prompt_lengths: jax.Array,
     returns only what indexing adds (zeros on the other steps), written in place outside it, and the rows move
     outside it: a branch that returns its operand, a state or a store, makes XLA:GPU copy it whole
     (`LayerView.commit_window`)."""
+    if not indexes_windows(policy, groups, lengths, capacity):
+        return groups
     picked = [j for j, group in enumerate(groups) if group.selecting]
-    if not picked or not policy.window_size(capacity):
-        return groups
-    first = jax.tree.map(lambda s: s[0], groups[picked[0]].state)
-    if policy.recent_due(first, lengths) is None:
-        return groups
     states = tuple(groups[j].state for j in picked)
     dues = tuple(jax.vmap(lambda s: policy.recent_due(s, lengths))(state) for state in states)  # [n, B] each
 
@@ -332,21 +329,26 @@ def index_windows(policy, groups, lengths: jax.Array, prompt_lengths: jax.Array,
     return tuple(groups)
 
 
+def indexes_windows(policy, groups, lengths: jax.Array, capacity: int) -> bool:
+    """Whether some selecting layer indexes windows of generated tokens (known when tracing)."""
+    picked = [group for group in groups if group.selecting]
+    if not picked or not policy.window_size(capacity):
+        return False
+    return policy.recent_due(jax.tree.map(lambda s: s[0], picked[0].state), lengths) is not None
+
+
 def steps_until_due(policy, groups, lengths: jax.Array, prompt_lengths: jax.Array, capacity: int):
     """[] int32: how many decode steps can run, from `lengths` [B] tokens stored, before a selecting layer's window
     may fall due (`KVPolicy.recent_due` needs `window_size` tokens past `window_start`, and each step stores one
     token per sequence); at least 1. None where no layer indexes a window. `generate`'s decode loop runs that many
     steps without `index_windows`, then indexes every layer once, so its steps hold no branch and none of the
     writes that indexing adds."""
+    if not indexes_windows(policy, groups, lengths, capacity):
+        return None
     picked = [group for group in groups if group.selecting]
-    W = policy.window_size(capacity)
-    if not picked or not W:
-        return None
-    if policy.recent_due(jax.tree.map(lambda s: s[0], picked[0].state), lengths) is None:
-        return None
     held = [jnp.max(lengths - jax.vmap(lambda s: policy.window_start(s, lengths, prompt_lengths))(group.state))
             for group in picked]  # the most tokens any layer's window holds
-    return jnp.maximum(W - functools.reduce(jnp.maximum, held), 1).astype(jnp.int32)
+    return jnp.maximum(policy.window_size(capacity) - functools.reduce(jnp.maximum, held), 1).astype(jnp.int32)
 
 
 def decode_selecting(policy, state, q: jax.Array, view, lengths: jax.Array, prompt_lengths: jax.Array,

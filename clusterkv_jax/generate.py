@@ -113,9 +113,14 @@ def index_due_windows(cache: KVCache, *, config: ModelConfig, policy: KVPolicy, 
     """-> (the cache with the selecting layers' due windows indexed, the decode steps that can then run with
     `decode_step(..., index=False)` before the next may fall due ([] int32; None where no layer indexes a window)).
     The input cache is donated."""
-    cache = pin_cache(cache, config, policy, sharding)
+    return _index_due(pin_cache(cache, config, policy, sharding), policy,
+                      functools.partial(pin_cache, config=config, policy=policy, sharding=sharding))
+
+
+def _index_due(cache: KVCache, policy: KVPolicy, pin):
+    """`index_due_windows` inside a trace (`pin` keeps the cache's layout)."""
     groups = attend_module.index_windows(policy, cache.groups, cache.lengths, cache.prompt_lengths, cache.capacity)
-    cache = pin_cache(cache.replace(groups=groups), config, policy, sharding)
+    cache = pin(cache.replace(groups=groups))
     return cache, attend_module.steps_until_due(policy, groups, cache.lengths, cache.prompt_lengths, cache.capacity)
 
 
@@ -238,15 +243,11 @@ def _decode(params, loop: DecodeLoop, sampling: Sampling, eos_ids, pad_id, stop_
     def keep_going(loop: DecodeLoop):
         return (loop.step < limit) & ~jnp.all(loop.done) & (loop.nonfinite < 0)
 
-    def until_due(cache: KVCache):
-        return attend_module.steps_until_due(policy, cache.groups, cache.lengths, cache.prompt_lengths,
-                                             cache.capacity)
-
     # Where layers index windows of generated tokens, the steps run in intervals: every layer indexes what is due
     # (one branch), then the steps until the next window can fall due run without asking. So a step holds no
     # branch (on a GPU each waits for the host) and none of indexing's writes (a dozen small kernels a selecting
     # layer), which happen once per interval instead of on every step.
-    intervals = until_due(loop.cache) is not None
+    intervals = attend_module.indexes_windows(policy, loop.cache.groups, loop.cache.lengths, loop.cache.capacity)
 
     def step_fn(loop: DecodeLoop) -> DecodeLoop:
         logits, cache = forward_decode(params, config, policy, loop.last, loop.cache, index=not intervals)
@@ -259,11 +260,9 @@ def _decode(params, loop: DecodeLoop, sampling: Sampling, eos_ids, pad_id, stop_
                           key=key, nonfinite=nonfinite)
 
     def interval_fn(loop: DecodeLoop) -> DecodeLoop:
-        cache = loop.cache
         with jax.named_scope("index_between_steps"):
-            cache = pin(cache.replace(groups=attend_module.index_windows(policy, cache.groups, cache.lengths,
-                                                                         cache.prompt_lengths, cache.capacity)))
-        end = loop.step + until_due(cache)
+            cache, until = _index_due(loop.cache, policy, pin)
+        end = loop.step + until
         return jax.lax.while_loop(lambda loop: keep_going(loop) & (loop.step < end), step_fn, loop.replace(cache=cache))
 
     loop = jax.lax.while_loop(keep_going, interval_fn if intervals else step_fn, loop)
