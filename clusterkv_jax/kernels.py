@@ -31,6 +31,8 @@ from pallas_kernels import (
     cluster_to_block_index as _cluster_to_block_index_pallas,
     cluster_to_block_index_reference,
     cluster_to_block_index_tpu,
+    kmeans_assign as _kmeans_assign_pallas,
+    kmeans_assign_reference,
     selected_attention as _selected_attention_pallas,
     selected_attention_reference,
     selected_attention_tpu,
@@ -44,11 +46,14 @@ MODES = ("auto", "pallas", "reference", "interpret")
 #: What runs.
 IMPLEMENTATIONS = ("reference", "pallas", "interpret", "tpu")
 #: The ops, by the names `resolve` takes.
-OPS = ("centroid_update", "cluster_to_block_index", "selected_attention")
+OPS = ("centroid_update", "cluster_to_block_index", "kmeans_assign", "selected_attention")
 #: What "auto" runs for each op on a CUDA GPU: the one that was faster on an H200 (`python -m pallas_kernels.bench`,
 #: docs/research_log.md "First run on a GPU"): XLA's segment sum and gathered attention beat the centroid-update and
-#: page-table attention kernels; the block-indexing kernel is kept.
-AUTO_ON_GPU = {"centroid_update": "reference", "cluster_to_block_index": "pallas", "selected_attention": "reference"}
+#: page-table attention kernels; the block-indexing kernel is kept. K-means' assignment kernel is chosen by the bytes,
+#: not yet by a GPU's clock: XLA writes and rereads the [N, C] similarities it keeps on chip (53 MB a KV head and
+#: iteration at 32k against 8 MB of keys; docs/research_log.md).
+AUTO_ON_GPU = {"centroid_update": "reference", "cluster_to_block_index": "pallas", "kmeans_assign": "pallas",
+               "selected_attention": "reference"}
 
 
 def resolve(mode: str, op: str | None = None) -> str:
@@ -170,6 +175,18 @@ def centroid_update(keys: jax.Array, labels: jax.Array, num_clusters: int, *, im
     else:
         run = functools.partial(_centroid_update_pallas, num_clusters=num_clusters, interpret=impl == "interpret")
     return per_shard(lambda k, l: run(k, l), keys, labels)
+
+
+def kmeans_assign(keys: jax.Array, valid: jax.Array, directions: jax.Array, allowed: jax.Array, *, passes: int,
+                  impl: str) -> jax.Array:
+    """Each valid key's most similar allowed cluster [..., N] (C for an invalid key) from keys [..., N, H] and
+    directions [..., C, H], products of operands in `passes` bfloat16 parts. `kmeans.cosine_kmeans` runs its own XLA
+    form for "reference" and "tpu" (a max that XLA:CPU fuses with the product; no Mosaic version yet)."""
+    _check(impl)
+    if impl in ("reference", "tpu"):
+        return kmeans_assign_reference(keys, valid, directions, allowed, passes=passes)
+    run = functools.partial(_kmeans_assign_pallas, passes=passes, interpret=impl == "interpret")
+    return per_shard(lambda k, v, d, a: run(k, v, d, a), keys, valid, directions, allowed)
 
 
 def cluster_to_block_index(ranked_sizes: jax.Array, ranked_starts: jax.Array, *, tokens: int, slots: int,

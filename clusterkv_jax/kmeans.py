@@ -59,37 +59,51 @@ _PACK_MAX_BITS = 12  # more clusters than 2**12: similarities closer than ~1e-3 
 #: of 1,024) that stay within this. Smaller problems are assigned whole: chunks cost time on the CPU (37% at 84
 #: problems of 8,000 keys and 100 clusters, chunks of 4,096).
 ASSIGN_BLOCK_BYTES = 128 << 20
+#: How the assignment's products are formed: 1, bfloat16 operands with float32 products and sums (the tensor
+#: cores' and the MXU's native form; on SmolLM2's keys at 8k, attention-mass recall at B=512 moved by -0.0006 on
+#: average over two texts and three seeds, at most 0.0016, where the seeds alone move it by 0.004-0.010:
+#: docs/research_log.md); 3, float32 (the kernel: three bfloat16 products, about 16 significant bits).
+ASSIGN_PASSES = 1
 
 
-def _assign(unit_keys, valid, directions, cluster_ok):
-    """Label of the most cosine-similar allowed cluster per key; C for masked keys.
+def _assign(unit_keys, valid, directions, cluster_ok, impl: str = "reference", passes: int | None = None):
+    """Label of the most cosine-similar allowed cluster per key; C for masked keys. The similarities are float32
+    products of bfloat16 operands (`ASSIGN_PASSES`), on every device. `impl` "pallas" or
+    "interpret" runs `kernels.kmeans_assign` (the similarities never leave the chip); any other runs this XLA form.
 
-    Why not `argmax`: XLA:CPU cannot fuse an argmax (a two-operand reduce) with the [P, N, C] similarity
+    Why not `argmax` here: XLA:CPU cannot fuse an argmax (a two-operand reduce) with the [P, N, C] similarity
     product, so the product is written to memory and read back, which took half of K-means' time. A plain max
     does fuse. So each similarity is scaled into [2, 4) (one float exponent there: the mantissa is fixed
     point), rounded to free its low ceil(log2 C) mantissa bits, and those bits are set to C-1-c: the max of
     these floats carries the best cluster in its low bits (the lower c on a tie). The price: similarities
     within 2**(bits-22) / 0.9375 of each other count as tied (3.3e-5 for 128 clusters).
     """
+    passes = ASSIGN_PASSES if passes is None else passes
+    if impl in ("pallas", "interpret"):
+        return kernels.kmeans_assign(unit_keys, valid, directions, cluster_ok, passes=passes, impl=impl)
     N, C = unit_keys.shape[-2], directions.shape[-2]
     chunk = max(1024, ASSIGN_BLOCK_BYTES // (4 * C * int(np.prod(unit_keys.shape[:-2]))) // 1024 * 1024)
     if N <= chunk:
-        return _assign_block(unit_keys, valid, directions, cluster_ok)
+        return _assign_block(unit_keys, valid, directions, cluster_ok, passes)
     n = -(-N // chunk)  # keys in n chunks: a [P, chunk, C] similarity block at a time
     pad = [(0, 0)] * (unit_keys.ndim - 2) + [(0, n * chunk - N)]
     keys = jnp.pad(unit_keys, pad + [(0, 0)])
     keys = jnp.moveaxis(keys.reshape(*keys.shape[:-2], n, chunk, keys.shape[-1]), -3, 0)
     ok = jnp.moveaxis(jnp.pad(valid, pad).reshape(*valid.shape[:-1], n, chunk), -2, 0)
-    labels = jax.lax.map(lambda a: _assign_block(a[0], a[1], directions, cluster_ok), (keys, ok))
+    labels = jax.lax.map(lambda a: _assign_block(a[0], a[1], directions, cluster_ok, passes), (keys, ok))
     return jnp.moveaxis(labels, 0, -2).reshape(*valid.shape[:-1], n * chunk)[..., :N]
 
 
-def _assign_block(unit_keys, valid, directions, cluster_ok):
+def _assign_block(unit_keys, valid, directions, cluster_ok, passes: int):
     """`_assign` of keys [P, N, H] all at once."""
     C = directions.shape[-2]
     bits = max(1, (C - 1).bit_length())
     # [P, N, C]
-    sim = jnp.einsum("...NH,...CH->...NC", unit_keys, directions)
+    if passes == 1:  # bfloat16 operands, float32 products and sums: the matrix units' native form
+        sim = jnp.einsum("...NH,...CH->...NC", unit_keys.astype(jnp.bfloat16), directions.astype(jnp.bfloat16),
+                         preferred_element_type=jnp.float32)
+    else:
+        sim = jnp.einsum("...NH,...CH->...NC", unit_keys, directions, precision=jax.lax.Precision.HIGHEST)
     if bits > _PACK_MAX_BITS:
         labels = jnp.argmax(jnp.where(cluster_ok[..., None, :], sim, -jnp.inf), axis=-1).astype(jnp.int32)
     else:
@@ -115,7 +129,7 @@ def cluster_mask(num_clusters: jax.Array, C: int) -> jax.Array:
     return jnp.arange(C) < num_clusters[..., None]
 
 
-@functools.partial(jax.jit, static_argnames=("max_iters", "impl", "tol"))
+@functools.partial(jax.jit, static_argnames=("max_iters", "impl", "tol", "assign_impl"))
 def kmeans_from_directions(
     keys: jax.Array,  # [P, N, H]
     valid: jax.Array,  # [P, N] bool
@@ -124,22 +138,24 @@ def kmeans_from_directions(
     max_iters: int = 20,
     impl: str = "reference",
     tol: float = 0.0,
+    assign_impl: str = "reference",
 ) -> KMeansResult:
     """Lloyd iterations under cosine similarity from given initial cluster directions. Each problem stops (and
     keeps its labels and directions) once at most a fraction `tol` of its valid keys changed cluster in an
     iteration (0: none changed), or at `max_iters`; `iterations` is the most any problem ran. `impl`: the
-    centroid update's implementation (`clusterkv_jax.kernels`)."""
+    centroid update's implementation, `assign_impl` the assignment's (`clusterkv_jax.kernels`)."""
     x, valid = _finite_keys(keys, valid)
-    return _lloyd(x, valid, num_clusters, init_directions, max_iters, impl, tol)
+    return _lloyd(x, valid, num_clusters, init_directions, max_iters, impl, tol, assign_impl)
 
 
-def _lloyd(x, valid, num_clusters, init_directions, max_iters: int, impl: str, tol: float) -> KMeansResult:
+def _lloyd(x, valid, num_clusters, init_directions, max_iters: int, impl: str, tol: float,
+           assign_impl: str) -> KMeansResult:
     """`kmeans_from_directions` on keys already made finite (`_finite_keys`)."""
     C = init_directions.shape[-2]
     unit = _normalize(x)
     ok = cluster_mask(num_clusters, C)
     directions = _normalize(init_directions.astype(jnp.float32))
-    labels = _assign(unit, valid, directions, ok)
+    labels = _assign(unit, valid, directions, ok, assign_impl)
 
     def update(labels, directions):
         sums, counts = _member_sums(labels, unit, C, impl)
@@ -158,7 +174,7 @@ def _lloyd(x, valid, num_clusters, init_directions, max_iters: int, impl: str, t
         # (a sequence clusters alike alone or in a batch); with tol=0 a settled problem is a fixed point anyway.
         it, labels, directions, active = state
         new_directions = update(labels, directions)
-        new_labels = _assign(unit, valid, new_directions, ok)
+        new_labels = _assign(unit, valid, new_directions, ok, assign_impl)
         moved = jnp.sum(new_labels != labels, axis=-1)  # [P]
         directions = jnp.where(active[..., None, None], new_directions, directions)
         labels = jnp.where(active[..., None], new_labels, labels)
@@ -222,6 +238,7 @@ def cosine_kmeans(
     init: str = "random",
     impl: str = "reference",
     tol: float = 0.0,
+    assign_impl: str = "reference",
 ) -> KMeansResult:
     """Cosine K-means of each problem's valid keys into num_clusters[p] clusters (slots beyond stay empty),
     iterated until at most a fraction `tol` of each problem's keys moves (see `kmeans_from_directions`).
@@ -241,18 +258,18 @@ def cosine_kmeans(
         raise ValueError(f"num_clusters must be in [1, max_clusters={max_clusters}] for every problem, got "
                          f"{counts.tolist() if counts.size <= 8 else (counts.min(), counts.max())}")
     return _cosine_kmeans(keys, valid, num_clusters, rngs, max_clusters=max_clusters, max_iters=max_iters,
-                          init=init, impl=impl, tol=tol)
+                          init=init, impl=impl, tol=tol, assign_impl=assign_impl)
 
 
-@functools.partial(jax.jit, static_argnames=("max_clusters", "max_iters", "init", "impl", "tol"))
+@functools.partial(jax.jit, static_argnames=("max_clusters", "max_iters", "init", "impl", "tol", "assign_impl"))
 def _cosine_kmeans(keys, valid, num_clusters, rngs, *, max_clusters: int, max_iters: int, init: str, impl: str,
-                   tol: float) -> KMeansResult:
+                   tol: float, assign_impl: str) -> KMeansResult:
     keys, valid = _finite_keys(keys, valid)
     if init == "random":
         directions = init_random(keys, valid, max_clusters, rngs)
     else:
         directions = init_kmeans_plus_plus(keys, valid, max_clusters, rngs)
-    return _lloyd(keys, valid, num_clusters, directions, max_iters, impl, tol)
+    return _lloyd(keys, valid, num_clusters, directions, max_iters, impl, tol, assign_impl)
 
 
 def cosine_objective(keys: jax.Array, valid: jax.Array, labels: jax.Array, directions: jax.Array) -> jax.Array:

@@ -20,6 +20,7 @@ import numpy as np
 from pallas_kernels.centroid_update import centroid_update, centroid_update_reference
 from pallas_kernels.cluster_index import cluster_to_block_index, cluster_to_block_index_reference
 from pallas_kernels.dispatch import kernels_supported
+from pallas_kernels.kmeans_assign import kmeans_assign, kmeans_assign_reference
 from pallas_kernels.selected_attention import selected_attention, selected_attention_reference
 
 P, N, C, M = 8, 32768, 400, 1024  # KV heads (× batch 1), tokens, clusters, budget
@@ -83,6 +84,21 @@ def main(argv=None) -> None:
                 (s, c), (rs, rc) = kern(keys, labels), ref(keys, labels)
                 err = f"max|Δsum| {float(jnp.max(jnp.abs(s - rs))):.2e}, counts equal {bool(jnp.all(c == rc))}"
             _row(f"centroid_update C={C}", f"{jnp.dtype(dtype).name}[{P},{N},{H}]", ref_ms, kernel_ms, err)
+
+    # One K-means assignment step of a 32k prompt's keys (unit vectors) to C clusters, 8 KV heads.
+    for H in (128, 64):
+        unit = rng.standard_normal((P, N, H)).astype(np.float32)
+        unit = jnp.asarray(unit / np.linalg.norm(unit, axis=-1, keepdims=True))
+        directions = jnp.asarray(np.asarray(unit)[:, :: N // C][:, :C])
+        valid, allowed = jnp.ones((P, N), bool), jnp.ones((P, C), bool)
+        ref_ms = _median_ms(kmeans_assign_reference, unit, valid, directions, allowed, repeats=args.repeats)
+        kernel_ms, err = None, ""
+        if on_gpu:
+            kernel_ms = _median_ms(kmeans_assign, unit, valid, directions, allowed, repeats=args.repeats)
+            same = kmeans_assign(unit, valid, directions, allowed) == kmeans_assign_reference(unit, valid, directions,
+                                                                                               allowed)
+            err = f"labels equal {float(jnp.mean(same)):.4f}"
+        _row(f"kmeans_assign C={C}", f"float32[{P},{N},{H}]", ref_ms, kernel_ms, err)
 
     sizes, starts = _index_inputs(rng)
     ref = functools.partial(cluster_to_block_index_reference, tokens=M - 16, slots=Mb, block_size=16)

@@ -43,6 +43,7 @@ from pallas_kernels.centroid_update import centroid_update
 from pallas_kernels.centroid_update_tpu import centroid_update_tpu
 from pallas_kernels.cluster_index import cluster_to_block_index
 from pallas_kernels.cluster_index_tpu import cluster_to_block_index_tpu
+from pallas_kernels.kmeans_assign import kmeans_assign
 from pallas_kernels.selected_attention import selected_attention
 from pallas_kernels.selected_attention_tpu import selected_attention_tpu
 
@@ -172,6 +173,14 @@ def main(argv=None) -> int:
             fn = functools.partial(centroid_update, num_clusters=C)
             kernels = _check(name, fn, S((1, P, N, H), dtype), S((1, P, N), i32))  # [B, K, N, H]
             results.append((f"centroid_update {jnp.dtype(dtype).name} H={H}", kernels))
+    # K-means' assignment of a 32k prompt's keys (float32 unit vectors) to 415 clusters (32,768 / 80 + slack).
+    for H in (128, 64):
+        for passes in (1, 3):
+            fn = functools.partial(kmeans_assign, passes=passes)
+            name = f"kmeans_assign C=415 passes={passes}"
+            kernels = _check(name, fn, S((1, P, N, H), jnp.float32), S((1, P, N), jnp.bool_),
+                             S((1, P, 415, H), jnp.float32), S((1, P, 415), jnp.bool_))
+            results.append((f"{name} H={H}", kernels))
     # Per KV head (gqa "shared": ranked clusters [B, K, Mb]) and per query head (gqa "per_head": [B, K, G, Mb], 4 query
     # heads per KV head). B=1024 with 16 sinks, blocks of 16, 80 tokens per cluster: Mb = 63 + 13 + 4 = 80 slots.
     Mb = 80

@@ -179,6 +179,28 @@ def test_a_gpu_decode_step_never_waits_for_the_host(target, policy):
         assert _top_level(program.hlo, "while") == 0
 
 
+#: K-means' assignment kernel, where there is one: Triton's on sm90; on a TPU XLA's product on the MXU.
+KMEANS_ASSIGN = {"gpu": ("kmeans_assign",), "tpu": ()}
+
+
+def test_kmeans_keeps_its_similarities_on_chip_on_sm90(target):
+    """On sm90, kernels="auto" assigns K-means' keys in the Triton kernel (`kmeans_assign`), in the prefill and in
+    the program that indexes generated tokens. XLA's form writes each iteration's [B, K, N, C] float32 similarities
+    and reads them back for the max: the kernel's prefill accesses less, by more than those similarities written
+    once per selecting layer (XLA's count holds a while loop's body once)."""
+    if target.platform != "gpu":
+        pytest.skip("the assignment kernel is Triton's; on a TPU XLA's product runs on the MXU")
+    policy = ClusterKV(budget=256)
+    auto = _compile(policy, target, prefill=True, index=True)
+    assert "kmeans_assign" in auto["prefill"].kernels and "kmeans_assign" in auto["index"].kernels
+    in_xla = _compile(dataclasses.replace(policy, kernels="reference"), target, prefill=True)["prefill"]
+    assert "kmeans_assign" not in in_xla.kernels
+    selecting = CONFIG.num_layers - policy.full_layers
+    similarities = BATCH * CONFIG.num_kv_heads * CONTEXT * policy.prompt_cluster_slots(CONTEXT) * 4
+    saved = in_xla.bytes_accessed - auto["prefill"].bytes_accessed
+    assert saved > selecting * similarities, (saved, selecting * similarities)
+
+
 @pytest.mark.parametrize("gqa", ["per_head", "shared"])
 def test_clusterkv_decode_and_prefill_compile_with_the_pallas_kernels(target, gqa):
     """kernels="pallas": on sm90 the Triton kernels, on a TPU their Mosaic versions: the decode step holds the
@@ -189,9 +211,9 @@ def test_clusterkv_decode_and_prefill_compile_with_the_pallas_kernels(target, gq
     policy = ClusterKV(budget=256, gqa=gqa, kernels="pallas")
     programs = _compile(policy, target, prefill=True, index=True)
     assert programs["decode"].kernels == _named(("cluster_to_block_index", "selected_attention"), target)
-    assert programs["index"].kernels == _named(("centroid_update",), target)
-    assert programs["prefill"].kernels == tuple(sorted(_named(("centroid_update",), target)
-                                                      + (PROMPT_KERNEL[target.platform],)))
+    kmeans = _named(("centroid_update",), target) + KMEANS_ASSIGN[target.platform]
+    assert programs["index"].kernels == tuple(sorted(kmeans))
+    assert programs["prefill"].kernels == tuple(sorted(kmeans + (PROMPT_KERNEL[target.platform],)))
     assert programs["decode"].host_argument_bytes == 0 and programs["decode"].host_buffers == 0
     _no_store_copy(programs["decode"], policy, target)
     auto = _compile(ClusterKV(budget=256, gqa=gqa), target)["decode"]
@@ -261,7 +283,8 @@ def test_family_geometries_compile_with_the_pallas_kernels(target, geometry):
     programs = aot.model_programs(config, {"p": ClusterKV(budget=256, kernels="pallas")}, device=target, batch=1,
                                   context=CONTEXT, index=("p",))
     assert programs[0].kernels == _named(("cluster_to_block_index", "selected_attention"), target)
-    assert programs[1].name == "index p" and programs[1].kernels == _named(("centroid_update",), target)
+    assert programs[1].name == "index p" and programs[1].kernels == tuple(sorted(
+        _named(("centroid_update",), target) + KMEANS_ASSIGN[target.platform]))
 
 
 def test_cli_prints_one_row_per_program(target, capsys):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -14,12 +15,14 @@ from clusterkv_jax.kmeans import _assign, cosine_kmeans, cosine_objective, init_
 
 
 def numpy_assign(unit, valid, d, num_clusters):
-    """The documented assignment rule in NumPy (float64): each similarity scaled into [2, 4) as
-    0.9375 * cos + 3 and rounded to a grid of 2**(bits - 22), bits = ceil(log2 C); the highest grid value wins,
-    the lowest cluster on a tie; disallowed clusters (>= num_clusters) never win; masked keys get C."""
+    """The documented assignment rule in NumPy (float64): the operands rounded to bfloat16 (ml_dtypes), each
+    similarity scaled into [2, 4) as 0.9375 * cos + 3 and rounded to a grid of 2**(bits - 22), bits = ceil(log2 C);
+    the highest grid value wins, the lowest cluster on a tie; disallowed clusters (>= num_clusters) never win; masked
+    keys get C."""
     C = d.shape[0]
     bits = max(1, (C - 1).bit_length())
-    grid = np.round((0.9375 * (unit.astype(np.float64) @ d.T.astype(np.float64)) + 3.0) / 2.0 ** (bits - 22))
+    unit, d = (x.astype(ml_dtypes.bfloat16).astype(np.float64) for x in (unit, d))
+    grid = np.round((0.9375 * (unit @ d.T) + 3.0) / 2.0 ** (bits - 22))
     grid[:, num_clusters:] = -np.inf
     return np.where(valid, grid.argmax(-1), C)
 
@@ -168,9 +171,9 @@ def test_tolerance_stops_each_problem_once_it_has_settled(tol):
 
 @pytest.mark.parametrize("C", [1, 2, 7, 100, 128, 129, 4096, 4097])
 def test_assignment_picks_a_most_similar_allowed_cluster(C):
-    """The packed max of `_assign` against NumPy's exact argmax: the label is an allowed cluster, its cosine is
-    within one grid step (2**(bits-22) / 0.9375) of the best, and it is the argmax wherever the best leads the
-    runner-up by more than that. Keys equal to a direction (cos 1) or opposite to one (cos -1) included; past
+    """The packed max of `_assign` against NumPy's exact argmax of the bfloat16-rounded operands: the label is an
+    allowed cluster, its cosine is within one grid step (2**(bits-22) / 0.9375) of the best, and it is the argmax
+    wherever the best leads the runner-up by more than that. Keys equal to a direction (cos 1) or opposite to one (cos -1) included; past
     2**12 clusters `_assign` falls back to an exact argmax."""
     rng = np.random.default_rng(C)
     P, N, H = 3, 400, 16
@@ -185,7 +188,9 @@ def test_assignment_picks_a_most_similar_allowed_cluster(C):
     valid = rng.random((P, N)) < 0.9
     got = np.asarray(_assign(jnp.asarray(unit, jnp.float32), jnp.asarray(valid), jnp.asarray(d, jnp.float32),
                              jnp.asarray(ok)))
-    sim = np.where(ok[:, None, :], unit @ d.transpose(0, 2, 1), -np.inf)
+    # The products of the operands rounded to bfloat16 (`kmeans.ASSIGN_PASSES`), in float64 here.
+    rounded_unit, rounded_d = (x.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64) for x in (unit, d))
+    sim = np.where(ok[:, None, :], rounded_unit @ rounded_d.transpose(0, 2, 1), -np.inf)
     step = 2.0 ** (max(1, (C - 1).bit_length()) - 22) / 0.9375 if C <= 4096 else 0.0
     assert np.all(got[~valid] == C)
     p_idx, n_idx = np.nonzero(valid)

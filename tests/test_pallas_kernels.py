@@ -22,6 +22,7 @@ from pallas_kernels import dispatch
 from pallas_kernels.centroid_update import centroid_update, centroid_update_reference
 from pallas_kernels.cluster_index import cluster_to_block_index, cluster_to_block_index_reference
 from pallas_kernels.cluster_index_tpu import cluster_to_block_index_tpu
+from pallas_kernels.kmeans_assign import kmeans_assign, kmeans_assign_reference
 from tests.helpers import triton_interpret, triton_mode
 
 REPO = Path(__file__).resolve().parents[1]
@@ -150,6 +151,78 @@ def test_centroid_update_equals_kmeans_member_sums():
     np.testing.assert_array_equal(np.asarray(counts), np.asarray(ref_counts).astype(np.int32))
     np.testing.assert_array_equal(np.asarray(counts), np.asarray(result.sizes))
     np.testing.assert_allclose(np.asarray(sums), np.asarray(ref_sums), rtol=1e-5, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------ kmeans_assign
+
+
+def _numpy_assign(keys, valid, directions, allowed, passes):
+    """K-means' assignment in NumPy: float64 products of the operands rounded to bfloat16 by ml_dtypes (passes=1;
+    unrounded for 3), the best allowed cluster (the lowest on a tie), C for an invalid key; and each key's margin
+    between its two best clusters."""
+    import ml_dtypes
+
+    def rounded(x):
+        return x.astype(ml_dtypes.bfloat16).astype(np.float64) if passes == 1 else x.astype(np.float64)
+
+    sim = np.einsum("...nh,...ch->...nc", rounded(keys), rounded(directions))
+    sim = np.where(allowed[..., None, :], sim, -np.inf)
+    labels = np.where(valid, sim.argmax(-1), directions.shape[-2])
+    top2 = -np.sort(-sim, axis=-1)[..., :2] if sim.shape[-1] > 1 else np.concatenate([sim, sim - 1], -1)
+    return labels, top2[..., 0] - top2[..., 1]
+
+
+def _unit(rng, shape):
+    x = rng.standard_normal(shape).astype(np.float32)
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize("passes", [1, 3])
+@pytest.mark.parametrize(
+    "lead, N, C, H",
+    [
+        ((2, 3), 300, 41, 64),  # [B, K] problems, N and C not whole blocks
+        ((1,), 1100, 150, 128),  # several key and cluster blocks
+        ((2,), 129, 5, 80),  # H not a power of two, fewer clusters than a block
+        ((1,), 40, 1, 16),  # one cluster
+    ],
+)
+def test_kmeans_assign_equals_a_numpy_argmax(lead, N, C, H, passes):
+    """Each valid key gets the allowed cluster of highest similarity (products of bfloat16-rounded operands for
+    passes=1), ties to the lowest; an invalid key gets C; a disallowed cluster is never chosen even when it is the
+    most similar. Keys whose two best clusters lie within the float32 sums' order of each other may take either."""
+    rng = np.random.default_rng(N + C)
+    keys, directions = _unit(rng, (*lead, N, H)), _unit(rng, (*lead, C, H))
+    directions[..., -1, :] = keys[..., 0, :]  # the first key's best cluster is the last one, when it is allowed
+    valid = rng.random((*lead, N)) > 0.2
+    allowed = np.arange(C) < rng.integers(max(1, C - 3), C + 1, size=(*lead, 1))
+    want, margin = _numpy_assign(keys, valid, directions, allowed, passes)
+    clear = margin > 1e-5
+    for name, got in (("kernel", kmeans_assign(keys, valid, directions, allowed, passes=passes,
+                                                interpret=triton_interpret())),
+                      ("reference", kmeans_assign_reference(keys, valid, directions, allowed, passes=passes))):
+        got = np.asarray(got)
+        assert got.dtype == np.int32 and got.shape == want.shape, name
+        np.testing.assert_array_equal(got[~valid], C, err_msg=name)
+        assert np.all(np.take_along_axis(allowed, np.minimum(got, C - 1), axis=-1) | ~valid), name
+        np.testing.assert_array_equal(np.where(clear, got, -1), np.where(clear, want, -1), err_msg=name)
+    assert clear.mean() > 0.95
+
+
+def test_kmeans_assign_in_kmeans_equals_the_xla_form():
+    """The wiring: cosine K-means with its assignment in the kernel (inside the jitted while loop) gives the labels,
+    sizes and centroids of its XLA form."""
+    rng = np.random.default_rng(12)
+    P, N, H, C = 2, 400, 64, 20
+    keys = jnp.asarray(rng.standard_normal((P, N, H)) + rng.standard_normal((P, 1, H)), jnp.float32)
+    valid = jnp.asarray(np.arange(N)[None, :] < np.array([[N], [250]]))
+    args = (keys, valid, jnp.array([C, 9]), problem_keys(jax.random.PRNGKey(1), P))
+    xla = cosine_kmeans(*args, max_clusters=C, max_iters=6)
+    kernel = cosine_kmeans(*args, max_clusters=C, max_iters=6, assign_impl=triton_mode())
+    assert int(xla.iterations) > 1
+    np.testing.assert_array_equal(np.asarray(kernel.labels), np.asarray(xla.labels))
+    np.testing.assert_array_equal(np.asarray(kernel.sizes), np.asarray(xla.sizes))
+    np.testing.assert_allclose(np.asarray(kernel.centroids), np.asarray(xla.centroids), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -398,11 +471,11 @@ def test_kernel_modes_resolve_in_one_place():
         resolve("auto", "attention")
     # "auto" on a CUDA GPU: the kernel or the reference, whichever was faster on an H200, op by op.
     with dispatch.compile_for(_fake_device("gpu", "9.0")):
-        assert [resolve("auto", op) for op in kernels.OPS] == ["reference", "pallas", "reference"]
-        assert [resolve("pallas", op) for op in kernels.OPS] == ["pallas"] * 3
-        assert [resolve("reference", op) for op in kernels.OPS] == ["reference"] * 3
+        assert [resolve("auto", op) for op in kernels.OPS] == ["reference", "pallas", "pallas", "reference"]
+        assert [resolve("pallas", op) for op in kernels.OPS] == ["pallas"] * 4
+        assert [resolve("reference", op) for op in kernels.OPS] == ["reference"] * 4
     with dispatch.compile_for(_fake_device("tpu")):
-        assert [resolve("auto", op) for op in kernels.OPS] == ["tpu"] * 3
+        assert [resolve("auto", op) for op in kernels.OPS] == ["tpu"] * 4
 
 
 def test_on_tpu_clusterkv_runs_the_mosaic_kernels(monkeypatch):
@@ -458,6 +531,7 @@ def test_check_lowering_for_cuda_and_tpu():
     assert sum(line.startswith("centroid_update ") for line in cuda) == 4
     assert sum("cluster_to_block_index" in line for line in cuda) == 2
     assert sum(line.startswith("selected_attention ") for line in cuda) == 4
+    assert sum(line.startswith("kmeans_assign ") for line in cuda) == 4
     assert sum(line.startswith("centroid_update_tpu ") for line in tpu) == 4
     assert sum(line.startswith("cluster_to_block_index_tpu ") for line in tpu) == 2
     assert sum(line.startswith("selected_attention_tpu ") for line in tpu) == 4

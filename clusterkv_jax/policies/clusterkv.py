@@ -298,6 +298,7 @@ class ClusterKV(KVPolicy):
                 init=self.init,
                 impl=kernels.resolve(self.kernels, "centroid_update"),
                 tol=self.kmeans_tol,
+                assign_impl=kernels.resolve(self.kernels, "kmeans_assign"),
             )
         sizes = result.sizes  # [B, K, C0]
         blocks = -(-sizes // bs)
@@ -366,6 +367,7 @@ class ClusterKV(KVPolicy):
                 init=self.init,
                 impl=kernels.resolve(self.kernels, "centroid_update"),
                 tol=self.kmeans_tol,
+                assign_impl=kernels.resolve(self.kernels, "kmeans_assign"),
             )
         sizes = result.sizes  # [B, K, Cp]
         blocks = -(-sizes // bs)
