@@ -181,7 +181,8 @@ def kmeans_assign(keys: jax.Array, valid: jax.Array, directions: jax.Array, allo
                   impl: str) -> jax.Array:
     """Each valid key's most similar allowed cluster [..., N] (C for an invalid key) from keys [..., N, H] and
     directions [..., C, H], products of operands in `passes` bfloat16 parts. `kmeans.cosine_kmeans` runs its own XLA
-    form for "reference" and "tpu" (a max that XLA:CPU fuses with the product; no Mosaic version yet)."""
+    form for "reference" and "tpu" (a max that XLA:CPU fuses with the product). There is no Mosaic version: on a v5e,
+    deviceless, one was not worth its keys' reads (docs/research_log.md)."""
     _check(impl)
     if impl in ("reference", "tpu"):
         return kmeans_assign_reference(keys, valid, directions, allowed, passes=passes)

@@ -68,8 +68,9 @@ ASSIGN_PASSES = 1
 
 def _assign(unit_keys, valid, directions, cluster_ok, impl: str = "reference", passes: int | None = None):
     """Label of the most cosine-similar allowed cluster per key; C for masked keys. The similarities are float32
-    products of bfloat16 operands (`ASSIGN_PASSES`), on every device. `impl` "pallas" or
-    "interpret" runs `kernels.kmeans_assign` (the similarities never leave the chip); any other runs this XLA form.
+    products of bfloat16 operands (`ASSIGN_PASSES`), on every device. `impl` "pallas" or "interpret"
+    runs `kernels.kmeans_assign` (the similarities never leave the chip); "reference" and "tpu" run this XLA form
+    ("tpu" with bfloat16 operands, "reference" with float32 values rounded to them: the same products).
 
     Why not `argmax` here: XLA:CPU cannot fuse an argmax (a two-operand reduce) with the [P, N, C] similarity
     product, so the product is written to memory and read back, which took half of K-means' time. A plain max
@@ -84,24 +85,32 @@ def _assign(unit_keys, valid, directions, cluster_ok, impl: str = "reference", p
     N, C = unit_keys.shape[-2], directions.shape[-2]
     chunk = max(1024, ASSIGN_BLOCK_BYTES // (4 * C * int(np.prod(unit_keys.shape[:-2]))) // 1024 * 1024)
     if N <= chunk:
-        return _assign_block(unit_keys, valid, directions, cluster_ok, passes)
+        return _assign_block(unit_keys, valid, directions, cluster_ok, passes, impl == "tpu")
     n = -(-N // chunk)  # keys in n chunks: a [P, chunk, C] similarity block at a time
     pad = [(0, 0)] * (unit_keys.ndim - 2) + [(0, n * chunk - N)]
     keys = jnp.pad(unit_keys, pad + [(0, 0)])
     keys = jnp.moveaxis(keys.reshape(*keys.shape[:-2], n, chunk, keys.shape[-1]), -3, 0)
     ok = jnp.moveaxis(jnp.pad(valid, pad).reshape(*valid.shape[:-1], n, chunk), -2, 0)
-    labels = jax.lax.map(lambda a: _assign_block(a[0], a[1], directions, cluster_ok, passes), (keys, ok))
+    labels = jax.lax.map(lambda a: _assign_block(a[0], a[1], directions, cluster_ok, passes, impl == "tpu"),
+                         (keys, ok))
     return jnp.moveaxis(labels, 0, -2).reshape(*valid.shape[:-1], n * chunk)[..., :N]
 
 
-def _assign_block(unit_keys, valid, directions, cluster_ok, passes: int):
-    """`_assign` of keys [P, N, H] all at once."""
+def _assign_block(unit_keys, valid, directions, cluster_ok, passes: int, mxu: bool):
+    """`_assign` of keys [P, N, H] all at once (`mxu`: bfloat16 operands, the TPU's form)."""
     C = directions.shape[-2]
     bits = max(1, (C - 1).bit_length())
     # [P, N, C]
-    if passes == 1:  # bfloat16 operands, float32 products and sums: the matrix units' native form
+    if passes == 1 and mxu:  # bfloat16 operands, float32 products and sums: the MXU's own form
         sim = jnp.einsum("...NH,...CH->...NC", unit_keys.astype(jnp.bfloat16), directions.astype(jnp.bfloat16),
                          preferred_element_type=jnp.float32)
+    elif passes == 1:
+        # The same products from float32 values rounded to bfloat16, which every float32 dot forms exactly (TF32
+        # included). XLA:CPU took 25% longer over bfloat16 operands, XLA:TPU held 416 MB more over rounded float32
+        # (docs/research_log.md).
+        sim = jnp.einsum("...NH,...CH->...NC", *(jax.lax.reduce_precision(x.astype(jnp.float32), exponent_bits=8,
+                                                                          mantissa_bits=7)
+                                                 for x in (unit_keys, directions)))
     else:
         sim = jnp.einsum("...NH,...CH->...NC", unit_keys, directions, precision=jax.lax.Precision.HIGHEST)
     if bits > _PACK_MAX_BITS:
@@ -129,7 +138,7 @@ def cluster_mask(num_clusters: jax.Array, C: int) -> jax.Array:
     return jnp.arange(C) < num_clusters[..., None]
 
 
-@functools.partial(jax.jit, static_argnames=("max_iters", "impl", "tol", "assign_impl"))
+@functools.partial(jax.jit, static_argnames=("max_iters", "impl", "tol", "assign_impl", "fixed_iterations"))
 def kmeans_from_directions(
     keys: jax.Array,  # [P, N, H]
     valid: jax.Array,  # [P, N] bool
@@ -139,17 +148,20 @@ def kmeans_from_directions(
     impl: str = "reference",
     tol: float = 0.0,
     assign_impl: str = "reference",
+    fixed_iterations: bool = False,
 ) -> KMeansResult:
     """Lloyd iterations under cosine similarity from given initial cluster directions. Each problem stops (and
     keeps its labels and directions) once at most a fraction `tol` of its valid keys changed cluster in an
     iteration (0: none changed), or at `max_iters`; `iterations` is the most any problem ran. `impl`: the
-    centroid update's implementation, `assign_impl` the assignment's (`clusterkv_jax.kernels`)."""
+    centroid update's implementation, `assign_impl` the assignment's (`clusterkv_jax.kernels`). `fixed_iterations`:
+    run all `max_iters` iterations as a loop of known trip count, settled problems frozen (the same result, no host
+    wait per iteration on a GPU)."""
     x, valid = _finite_keys(keys, valid)
-    return _lloyd(x, valid, num_clusters, init_directions, max_iters, impl, tol, assign_impl)
+    return _lloyd(x, valid, num_clusters, init_directions, max_iters, impl, tol, assign_impl, fixed_iterations)
 
 
-def _lloyd(x, valid, num_clusters, init_directions, max_iters: int, impl: str, tol: float,
-           assign_impl: str) -> KMeansResult:
+def _lloyd(x, valid, num_clusters, init_directions, max_iters: int, impl: str, tol: float, assign_impl: str,
+           fixed_iterations: bool) -> KMeansResult:
     """`kmeans_from_directions` on keys already made finite (`_finite_keys`)."""
     C = init_directions.shape[-2]
     unit = _normalize(x)
@@ -180,8 +192,19 @@ def _lloyd(x, valid, num_clusters, init_directions, max_iters: int, impl: str, t
         labels = jnp.where(active[..., None], new_labels, labels)
         return it + 1, labels, directions, active & (moved > allowed)
 
-    active = jnp.ones(valid.shape[:-1], bool)
-    it, labels, directions, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), labels, directions, active))
+    state = (jnp.int32(0), labels, directions, jnp.ones(valid.shape[:-1], bool))
+    if fixed_iterations:
+        # XLA:GPU copies a while loop's predicate to the host on every iteration and waits for it
+        # (`kernels.branches_wait_for_host`); a loop of known trip count it runs without. Settled problems are frozen
+        # by the body, so all `max_iters` iterations give what stopping early gives; `iterations` counts those in
+        # which some problem was still active.
+        def fixed_body(_, state):
+            it, *rest = body(state)
+            return (it - 1 + jnp.any(state[3]).astype(jnp.int32), *rest)
+
+        it, labels, directions, _ = jax.lax.fori_loop(0, max_iters, fixed_body, state)
+    else:
+        it, labels, directions, _ = jax.lax.while_loop(cond, body, state)
     sums, counts = _member_sums(labels, x, C, impl)
     centroids = jnp.where(counts[..., None] > 0, sums / jnp.maximum(counts, 1)[..., None], directions)
     return KMeansResult(labels, centroids, counts.astype(jnp.int32), directions, it)
@@ -239,11 +262,13 @@ def cosine_kmeans(
     impl: str = "reference",
     tol: float = 0.0,
     assign_impl: str = "reference",
+    fixed_iterations: bool | None = None,
 ) -> KMeansResult:
     """Cosine K-means of each problem's valid keys into num_clusters[p] clusters (slots beyond stay empty),
     iterated until at most a fraction `tol` of each problem's keys moves (see `kmeans_from_directions`).
     A key holding a NaN or inf counts as masked (label C, in no cluster). Jitted; a `num_clusters` known here
-    (not traced) outside [1, max_clusters] is refused."""
+    (not traced) outside [1, max_clusters] is refused. `fixed_iterations` (None: where a loop's predicate waits for
+    the host, `kernels.branches_wait_for_host`) runs all `max_iters` iterations, to the same result."""
     if isinstance(max_clusters, bool) or not isinstance(max_clusters, int) or max_clusters < 1:
         raise ValueError(f"max_clusters must be a positive int, got {max_clusters!r}")
     if isinstance(max_iters, bool) or not isinstance(max_iters, int) or max_iters < 1:
@@ -258,18 +283,21 @@ def cosine_kmeans(
         raise ValueError(f"num_clusters must be in [1, max_clusters={max_clusters}] for every problem, got "
                          f"{counts.tolist() if counts.size <= 8 else (counts.min(), counts.max())}")
     return _cosine_kmeans(keys, valid, num_clusters, rngs, max_clusters=max_clusters, max_iters=max_iters,
-                          init=init, impl=impl, tol=tol, assign_impl=assign_impl)
+                          init=init, impl=impl, tol=tol, assign_impl=assign_impl,
+                          fixed_iterations=kernels.branches_wait_for_host() if fixed_iterations is None
+                          else bool(fixed_iterations))
 
 
-@functools.partial(jax.jit, static_argnames=("max_clusters", "max_iters", "init", "impl", "tol", "assign_impl"))
+@functools.partial(jax.jit, static_argnames=("max_clusters", "max_iters", "init", "impl", "tol", "assign_impl",
+                                             "fixed_iterations"))
 def _cosine_kmeans(keys, valid, num_clusters, rngs, *, max_clusters: int, max_iters: int, init: str, impl: str,
-                   tol: float, assign_impl: str) -> KMeansResult:
+                   tol: float, assign_impl: str, fixed_iterations: bool) -> KMeansResult:
     keys, valid = _finite_keys(keys, valid)
     if init == "random":
         directions = init_random(keys, valid, max_clusters, rngs)
     else:
         directions = init_kmeans_plus_plus(keys, valid, max_clusters, rngs)
-    return _lloyd(keys, valid, num_clusters, directions, max_iters, impl, tol, assign_impl)
+    return _lloyd(keys, valid, num_clusters, directions, max_iters, impl, tol, assign_impl, fixed_iterations)
 
 
 def cosine_objective(keys: jax.Array, valid: jax.Array, labels: jax.Array, directions: jax.Array) -> jax.Array:

@@ -258,3 +258,40 @@ def test_kmeans_outputs_are_finite_wherever_the_counted_keys_are(seed, C, nonfin
     assert np.all(labels[~counted] == C)
     assert np.all(labels[counted] < np.broadcast_to(num[:, None], (P, N))[counted])
     np.testing.assert_array_equal(sizes.sum(-1), counted.sum(-1))
+
+
+def test_fixed_iterations_give_what_stopping_early_gives():
+    """`fixed_iterations` (a GPU's K-means: a loop of known trip count, no host wait per iteration) runs all
+    `max_iters` iterations with settled problems frozen: the labels, sizes, centroids, directions and the count of
+    iterations with work equal the while loop's, for problems that settle early, late and never (`max_iters` cuts
+    them), with and without a tolerance."""
+    keys, valid = _problems(P=4, N=300, H=16, seed=4)
+    num = jnp.array([1, 3, 12, 24], jnp.int32)
+    init = init_random(jnp.asarray(keys), jnp.asarray(valid), 24, problem_keys(jax.random.PRNGKey(2), 4))
+    for max_iters, tol in ((30, 0.0), (3, 0.0), (30, 0.05)):
+        runs = [kmeans_from_directions(jnp.asarray(keys), jnp.asarray(valid), num, init, max_iters=max_iters, tol=tol,
+                                       fixed_iterations=fixed) for fixed in (False, True)]
+        for a, b in zip(*runs):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert 1 < int(runs[0].iterations) <= max_iters
+    assert int(runs[0].iterations) < 30  # the tolerance stopped every problem early: the frozen tail did nothing
+
+
+def test_the_tpu_form_assigns_as_the_cpu_form():
+    """The XLA form on a TPU (implementation "tpu": bfloat16 operands into the product, the MXU's own form) and on
+    the CPU ("reference": float32 values rounded to bfloat16) form the same products: the same labels, also in
+    chunks of keys, and both match NumPy's rule on the rounded operands."""
+    rng = np.random.default_rng(9)
+    P, N, H, C = 3, 700, 32, 40
+    unit = rng.normal(size=(P, N, H)).astype(np.float32)
+    unit /= np.linalg.norm(unit, axis=-1, keepdims=True)
+    d = unit[:, rng.choice(N, C, replace=False)] + 0.1 * rng.normal(size=(P, C, H)).astype(np.float32)
+    d /= np.linalg.norm(d, axis=-1, keepdims=True)
+    valid = rng.random((P, N)) < 0.9
+    num = np.array([C, 17, 1])
+    ok = np.arange(C)[None] < num[:, None]
+    args = (jnp.asarray(unit), jnp.asarray(valid), jnp.asarray(d), jnp.asarray(ok))
+    cpu, tpu = (np.asarray(_assign(*args, impl=impl)) for impl in ("reference", "tpu"))
+    np.testing.assert_array_equal(tpu, cpu)
+    for p in range(P):
+        np.testing.assert_array_equal(cpu[p], numpy_assign(unit[p], valid[p], d[p], num[p]))

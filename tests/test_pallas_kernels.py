@@ -188,9 +188,10 @@ def _unit(rng, shape):
     ],
 )
 def test_kmeans_assign_equals_a_numpy_argmax(lead, N, C, H, passes):
-    """Each valid key gets the allowed cluster of highest similarity (products of bfloat16-rounded operands for
-    passes=1), ties to the lowest; an invalid key gets C; a disallowed cluster is never chosen even when it is the
-    most similar. Keys whose two best clusters lie within the float32 sums' order of each other may take either."""
+    """The Triton kernel (interpret mode off a GPU) and the reference: each valid key gets the allowed cluster of
+    highest similarity (products of bfloat16-rounded operands for passes=1), ties to the lowest; an invalid key gets
+    C; a disallowed cluster is never chosen even when it is the most similar. Keys whose two best clusters lie
+    within the float32 sums' order of each other may take either."""
     rng = np.random.default_rng(N + C)
     keys, directions = _unit(rng, (*lead, N, H)), _unit(rng, (*lead, C, H))
     directions[..., -1, :] = keys[..., 0, :]  # the first key's best cluster is the last one, when it is allowed
