@@ -24,6 +24,7 @@ import numpy as np
 
 from clusterkv_jax import kernels
 from clusterkv_jax.ops import map_leading, top_k_indices
+from pallas_kernels.kmeans_assign import round_parts
 
 _EPS = 1e-12
 
@@ -108,9 +109,7 @@ def _assign_block(unit_keys, valid, directions, cluster_ok, passes: int, mxu: bo
         # The same products from float32 values rounded to bfloat16, which every float32 dot forms exactly (TF32
         # included). XLA:CPU took 25% longer over bfloat16 operands, XLA:TPU held 416 MB more over rounded float32
         # (docs/research_log.md).
-        sim = jnp.einsum("...NH,...CH->...NC", *(jax.lax.reduce_precision(x.astype(jnp.float32), exponent_bits=8,
-                                                                          mantissa_bits=7)
-                                                 for x in (unit_keys, directions)))
+        sim = jnp.einsum("...NH,...CH->...NC", round_parts(unit_keys, 1), round_parts(directions, 1))
     else:
         sim = jnp.einsum("...NH,...CH->...NC", unit_keys, directions, precision=jax.lax.Precision.HIGHEST)
     if bits > _PACK_MAX_BITS:

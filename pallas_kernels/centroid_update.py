@@ -35,25 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.dispatch import map_leading
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
-
-
-def _split_terms(x: jax.Array, passes: int) -> list[jax.Array]:
-    """x ≈ Σ terms, each term a matrix-unit dtype; exact for float32 with passes=3 (bf16 × 3)."""
-    if x.dtype in (jnp.bfloat16, jnp.float16):
-        return [x]
-    terms = []
-    rest = x.astype(jnp.float32)
-    for i in range(passes):
-        t = rest.astype(jnp.bfloat16)
-        terms.append(t)
-        if i + 1 < passes:
-            rest = rest - t.astype(jnp.float32)
-    return terms
+from pallas_kernels.dispatch import bf16_terms, map_leading, next_pow2
 
 
 def _centroid_update_kernel(
@@ -90,7 +72,7 @@ def _centroid_update_kernel(
         # Padding rows may hold anything (NaN included): 0 · NaN would poison the matmul.
         x = jnp.where(row_ok[:, None], x, jnp.zeros_like(x))
         hit = labels[:, None] == c_ids[None, :]  # [block_n, block_c]
-        terms = _split_terms(x, passes)
+        terms = bf16_terms(x, passes)
         onehot = hit.astype(terms[0].dtype)  # 0/1: exact in any dtype
         for term in terms:
             acc += plgpu.dot(onehot, term, trans_a=True)  # [block_c, block_h], float32 accumulation
@@ -153,9 +135,9 @@ def centroid_update(
     labels = labels.astype(jnp.int32)
 
     # Dot operands need every dimension >= 16 and a power of two.
-    block_n = min(block_n, max(16, _next_pow2(N)))
-    block_c = min(block_c, max(16, _next_pow2(C)))
-    block_h = max(16, _next_pow2(H))
+    block_n = min(block_n, max(16, next_pow2(N)))
+    block_c = min(block_c, max(16, next_pow2(C)))
+    block_h = max(16, next_pow2(H))
     c_blocks = pl.cdiv(C, block_c)
     n_blocks = pl.cdiv(N, block_n)
     problems = math.prod(lead)

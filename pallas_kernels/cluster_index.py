@@ -33,11 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.dispatch import map_leading
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
+from pallas_kernels.dispatch import map_leading, next_pow2
 
 
 def _cluster_block_kernel(
@@ -107,9 +103,9 @@ def cluster_to_block_index(
     C, M = ranked_sizes.shape[-1], int(slots)
     assert M >= 1 and C >= 1 and tokens >= 0 and block_size >= 1, f"{M=}, {C=}, {tokens=}, {block_size=}"
     assert block_c >= 1 and block_c & (block_c - 1) == 0, f"block_c={block_c} must be a power of two"
-    block_c = min(block_c, _next_pow2(C))
+    block_c = min(block_c, next_pow2(C))
     kernel = functools.partial(_cluster_block_kernel, num_clusters=C, tokens=int(tokens), slots=M,
-                               block=int(block_size), block_m=_next_pow2(M), block_c=block_c)
+                               block=int(block_size), block_m=next_pow2(M), block_c=block_c)
     one = pl.pallas_call(
         kernel,
         grid=(1,),

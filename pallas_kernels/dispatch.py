@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 
 import jax
+import jax.numpy as jnp
 
 MIN_COMPUTE_CAPABILITY = 8.0
 
@@ -101,3 +102,23 @@ def map_leading(fn, n: int):
     for _ in range(n):
         fn = jax.vmap(fn)
     return fn
+
+
+def next_pow2(x: int) -> int:
+    """The smallest power of two >= x (1 for x <= 1): Triton's block shapes are powers of two."""
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def bf16_terms(x: jax.Array, passes: int) -> list[jax.Array]:
+    """x ≈ Σ terms, each bfloat16, largest first: `passes` terms of float32 x (3 carry all 24 mantissa bits, so
+    products with exact factors stay exact); bfloat16 / float16 x is one term already."""
+    if x.dtype in (jnp.bfloat16, jnp.float16):
+        return [x]
+    terms = []
+    rest = x.astype(jnp.float32)
+    for i in range(passes):
+        t = rest.astype(jnp.bfloat16)
+        terms.append(t)
+        if i + 1 < passes:
+            rest = rest - t.astype(jnp.float32)
+    return terms

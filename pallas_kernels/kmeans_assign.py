@@ -30,19 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.dispatch import map_leading
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
-
-
-def _bf16_parts(x: jax.Array, passes: int) -> list[jax.Array]:
-    """x as bfloat16 terms, largest first: [x] rounded (passes=1) or its high and low parts (passes=3)."""
-    hi = x.astype(jnp.bfloat16)
-    if passes == 1:
-        return [hi]
-    return [hi, (x.astype(jnp.float32) - hi.astype(jnp.float32)).astype(jnp.bfloat16)]
+from pallas_kernels.dispatch import bf16_terms, map_leading, next_pow2
 
 
 def _products(a_parts: list[jax.Array], b_parts: list[jax.Array], dot) -> jax.Array:
@@ -73,7 +61,7 @@ def _kmeans_assign_kernel(
     h_ok = jnp.arange(block_h, dtype=jnp.int32) < head_dim  # [block_h]
     x = plgpu.load(keys_ref.at[pl.ds(n0, block_n), pl.ds(0, block_h)], mask=n_ok[:, None] & h_ok[None, :],
                    other=0).astype(jnp.float32)  # [block_n, block_h]
-    x_parts = _bf16_parts(jnp.where(n_ok[:, None], x, 0.0), passes)  # once, for every cluster block
+    x_parts = bf16_terms(x, 1 if passes == 1 else 2)  # once, for every cluster block (masked rows: 0)
 
     def body(t, carry):
         best, label = carry  # [block_n] float32, [block_n] int32
@@ -83,7 +71,8 @@ def _kmeans_assign_kernel(
         d = plgpu.load(directions_ref.at[pl.ds(c0, block_c), pl.ds(0, block_h)],
                        mask=c_in[:, None] & h_ok[None, :], other=0).astype(jnp.float32)  # [block_c, block_h]
         allowed = plgpu.load(allowed_ref.at[pl.ds(c0, block_c)], mask=c_in, other=0) > 0  # [block_c]
-        sim = _products(x_parts, _bf16_parts(d, passes), lambda a, b: plgpu.dot(a, b, trans_b=True))  # float32
+        d_parts = bf16_terms(d, 1 if passes == 1 else 2)
+        sim = _products(x_parts, d_parts, lambda a, b: plgpu.dot(a, b, trans_b=True))  # [block_n, block_c] float32
         sim = jnp.where(allowed[None, :], sim, -jnp.inf)
         block_best = jnp.max(sim, axis=1)  # [block_n]
         # The lowest cluster of this block reaching the block's best (ties to the lowest c, as argmax).
@@ -126,9 +115,9 @@ def kmeans_assign(
     for name, b in (("block_n", block_n), ("block_c", block_c)):
         assert b >= 16 and b & (b - 1) == 0, f"{name}={b} must be a power of two >= 16"
     # Dot operands need every dimension >= 16 and a power of two.
-    block_n = min(block_n, max(16, _next_pow2(N)))
-    block_c = min(block_c, max(16, _next_pow2(C)))
-    block_h = max(16, _next_pow2(H))
+    block_n = min(block_n, max(16, next_pow2(N)))
+    block_c = min(block_c, max(16, next_pow2(C)))
+    block_h = max(16, next_pow2(H))
     kernel = functools.partial(_kmeans_assign_kernel, num_keys=N, num_clusters=C, head_dim=H, block_n=block_n,
                                block_c=block_c, block_h=block_h, passes=passes)
     one = pl.pallas_call(

@@ -26,11 +26,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.dispatch import next_pow2
+
 _NEG = -1e30  # finite: a fully masked block keeps m finite (exp(-inf + inf) would be NaN)
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
 
 
 def _selected_attention_kernel(
@@ -94,7 +92,7 @@ def selected_attention(
     n, c = pages.shape[2], k_pages.shape[1]
     assert c >= 1 and c & (c - 1) == 0 and H & (H - 1) == 0, f"page rows c={c} and head dim H={H}: powers of two"
     assert block_pages >= 1 and block_pages & (block_pages - 1) == 0, f"block_pages={block_pages}"
-    g_pad, n_pad = _next_pow2(G), pl.cdiv(n, block_pages) * block_pages
+    g_pad, n_pad = next_pow2(G), pl.cdiv(n, block_pages) * block_pages
     q = jnp.pad(q, ((0, 0), (0, 0), (0, g_pad - G), (0, 0)))
     pages = jnp.pad(jnp.clip(pages.astype(jnp.int32), 0, k_pages.shape[0] - 1), ((0, 0), (0, 0), (0, n_pad - n)))
     mask = jnp.pad(mask.astype(jnp.int32), ((0, 0), (0, 0), (0, n_pad - n), (0, 0)))
