@@ -184,6 +184,26 @@ def observe_prompt_queries(policy, group, state, q: jax.Array, start, lengths: j
     return policy.observe_queries(state, jnp.swapaxes(rows, 1, 2).astype(jnp.float32), found)
 
 
+def layer_scope(layers):
+    """The named scope of a group's model layers (`layer3`, or `layers2-31`) as the unrolled model loop names
+    its layers: profiles show each layer apart, and tests/test_aot.py finds kernels merged across layers."""
+    layers = list(layers)
+    return jax.named_scope(f"layer{layers[0]}" if len(layers) == 1 else f"layers{layers[0]}-{layers[-1]}")
+
+
+def layer_inputs(*args):
+    """`args` as values of this layer's own. A policy's indexing reads operands every layer shares (the lengths,
+    constant PRNG keys), and XLA:GPU fuses the consumers of a shared operand across an unrolled program's layers
+    into one kernel: Quest's page bounds of 30 layers became one 60-output kernel that ptxas compiled for 8 minutes,
+    and the merged kernels keep every layer's keys alive until the last layer (docs/research_log.md, "Kernels
+    merged across layers"). An optimization barrier gives each layer its own copy of the values, at no cost."""
+    leaves, tree = jax.tree.flatten(args)
+    arrays = [j for j, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]  # a state may hold callables
+    for j, value in zip(arrays, jax.lax.optimization_barrier([leaves[j] for j in arrays])):
+        leaves[j] = value
+    return jax.tree.unflatten(tree, leaves)
+
+
 def write_prompt_layer(policy, group, store, state, i, k_rows, v_rows, lengths, capacity: int):
     """What prefill does with layer i of `group` once its K/V are computed: in a selecting group, let the policy
     index the keys; store the prompt's K/V [B, K, T, H] as rows [0, T), or where the policy's layout puts each
@@ -195,7 +215,7 @@ def write_prompt_layer(policy, group, store, state, i, k_rows, v_rows, lengths, 
     with jax.named_scope("index"):
         # The policy sees this layer's keys [B, K, S, H] (rows >= lengths are padding), in the store's dtype.
         keys = jnp.pad(k_rows.astype(store.k.dtype), pad)
-        state = policy.after_prefill(state, keys, lengths)
+        state = policy.after_prefill(*layer_inputs(state, keys, lengths))
     layout = policy.prompt_rows(state)  # [B, K, R] position of each row, or None: row = position
     if layout is None:
         return store.write_prompt(i, k_rows, v_rows), state
@@ -241,8 +261,9 @@ def write_prompt(cache, keys: jax.Array, values: jax.Array, lengths: jax.Array, 
 
         n = group.num_layers
         layers = jnp.asarray(group.layers, jnp.int32)
-        store, state = jax.lax.scan(body, group.store, (jnp.arange(n, dtype=jnp.int32), group.state,
-                                                        keys[layers], values[layers]))
+        with layer_scope(group.layers):
+            store, state = jax.lax.scan(body, group.store, (jnp.arange(n, dtype=jnp.int32), group.state,
+                                                            keys[layers], values[layers]))
         groups.append(group.replace(store=store, state=state))
     lengths = lengths.astype(jnp.int32)
     return cache.replace(groups=tuple(groups), lengths=lengths, prompt_lengths=lengths)
@@ -304,11 +325,12 @@ def index_windows(policy, groups, lengths: jax.Array, prompt_lengths: jax.Array,
             def index_layer(i, store=store, state=state, due=due):
                 layer_state = jax.tree.map(lambda s: s[i], state)
                 keys = window_keys(policy, layer_state, store.layer(i, capacity), lengths, prompt_lengths)
-                return policy.index_due(layer_state, keys, due[i], prompt_lengths)
+                return policy.index_due(*layer_inputs(layer_state, keys, due[i], prompt_lengths))
 
             n = groups[j].num_layers  # one layer: unrolled; more: a loop
-            out.append(jax.tree.map(lambda x: x[None], index_layer(0)) if n == 1
-                       else jax.lax.map(index_layer, jnp.arange(n)))
+            with layer_scope(groups[j].layers):
+                out.append(jax.tree.map(lambda x: x[None], index_layer(0)) if n == 1
+                           else jax.lax.map(index_layer, jnp.arange(n)))
         return tuple(out)
 
     with jax.named_scope("index"):

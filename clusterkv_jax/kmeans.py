@@ -291,6 +291,11 @@ def cosine_kmeans(
                                              "fixed_iterations"))
 def _cosine_kmeans(keys, valid, num_clusters, rngs, *, max_clusters: int, max_iters: int, init: str, impl: str,
                    tol: float, assign_impl: str, fixed_iterations: bool) -> KMeansResult:
+    # Inputs of this call's own: every layer's K-means starts from the same constant PRNG keys, and XLA:GPU merges
+    # the consumers of a shared operand across an unrolled program's layers into one kernel (every layer's
+    # initialisation, 24 outputs at 8 layers), which ptxas compiles slowly and which keeps every layer's keys alive
+    # until the last (`attend.layer_inputs`; docs/research_log.md, "Kernels merged across layers").
+    keys, valid, num_clusters, rngs = jax.lax.optimization_barrier((keys, valid, num_clusters, rngs))
     keys, valid = _finite_keys(keys, valid)
     if init == "random":
         directions = init_random(keys, valid, max_clusters, rngs)

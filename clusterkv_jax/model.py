@@ -303,8 +303,9 @@ def _run_layers(params: Params, config: ModelConfig, cache: KVCache, x: jax.Arra
     if kernels.layer_loop() == "unrolled":
         for index in range(config.num_layers):
             g, i = place[index]
-            x, groups[g] = _run_layer(params, config, step, local_cos_sin if local[index] else cos_sin, x, groups[g],
-                                      index, i)
+            with attend_module.layer_scope([index]):
+                x, groups[g] = _run_layer(params, config, step, local_cos_sin if local[index] else cos_sin, x,
+                                          groups[g], index, i)
         return x, tuple(groups)
 
     # Scanned: one scan per run of a repeated period of layers (`scan_runs`), the period's layers in its body.

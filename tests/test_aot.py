@@ -324,3 +324,57 @@ def test_cli_prints_one_row_per_program(target, capsys):
     rows = [line for line in out.splitlines() if line.startswith(("| decode", "| prefill", "| index"))]
     assert len(rows) == 14 and out.rstrip().endswith("all programs compiled")
     assert np.all(["FAILED" not in r for r in rows])
+
+
+def _layers_merged(hlo: str, min_elements: int = 1024) -> list[tuple[str, set[str]]]:
+    """The fused kernels of a program that hold reductions to at least `min_elements` values of more than one model
+    layer (by the `layerN` named scope in their op names: `attend.layer_scope`), each with those layers. Smaller
+    ones do merge (a few [B, K, 4] sums of decode-time clusters share a constant zero) and cost nothing."""
+    bodies: dict[str, set[str]] = {}
+    name = None
+    for line in hlo.splitlines():
+        if not line.startswith(" "):
+            head = re.match(r"(?:ENTRY )?%(\S+) ", line)
+            name = head.group(1) if head else None
+            if name:
+                bodies[name] = set()
+        elif name and (reduce := re.search(r"= \w+\[([\d,]*)\]\S* reduce\(", line)):
+            if np.prod([int(d) for d in reduce.group(1).split(",") if d]) >= min_elements:
+                bodies[name] |= set(re.findall(r'op_name="[^"]*?/(layers?\d+[-\d]*)/', line))
+    merged = []
+    for line in hlo.splitlines():
+        call = re.match(r"\s*%(\S+) = .*? fusion\(.*?calls=%([\w.\-]+)", line)
+        if call and len(bodies.get(call.group(2), ())) > 1:
+            merged.append((call.group(1), bodies[call.group(2)]))
+    return merged
+
+
+def _write_prompt_program(config, policy, device, context: int):
+    """`attend.write_prompt` (the synthetic benchmark's prefill: the prompt's K/V written, its layers indexed) of a
+    `context`-token prompt, batch 1, compiled for `device`."""
+    from clusterkv_jax.attend import write_prompt
+    from clusterkv_jax.bench.synthetic import synthetic_kv
+
+    cache = aot.target_cache(config, policy, device=device, batch=1, context=context)
+    keys, values = jax.eval_shape(lambda: synthetic_kv(jax.random.key(0), config, 1, context, cache.capacity,
+                                                       jnp.bfloat16))
+    return aot.compile_for_device("write_prompt", write_prompt, device, cache, keys, values,
+                                  jax.ShapeDtypeStruct((1,), jnp.int32), policy=policy)
+
+
+def test_no_kernel_reduces_for_several_layers(target):
+    """Each layer's indexing runs in kernels of its own (`attend.layer_inputs`). Every layer's K-means starts from
+    the same PRNG keys and every layer reads the same lengths, and XLA:GPU fused the consumers of such a shared
+    operand across an unrolled program's layers into one kernel: Quest's page bounds of 30 layers became one
+    60-output kernel of the 32-layer prefill that ptxas compiled for 8 minutes, holding 3.2 GB of temporaries
+    where full KV's prefill holds 1.2 GB (docs/research_log.md, "Kernels merged across layers"). The geometries
+    are the smallest found to merge before the change: 6 layers at 32k for ClusterKV's prefill, 8 layers for
+    Quest's written prompt. A TPU's program scans its layers (`kernels.layer_loop`): one body serves them all."""
+    if target.platform != "gpu":
+        pytest.skip("a TPU scans its layers")
+    config = synthetic_config("llama3-8b", layers=6)
+    programs = aot.model_programs(config, {"p": ClusterKV(budget=1024)}, device=target, batch=1, context=32768,
+                                  prefill=("p",), index=("p",))
+    programs.append(_write_prompt_program(synthetic_config("llama3-8b", layers=8), Quest(budget=1024), target, 32768))
+    for program in programs:
+        assert _layers_merged(program.hlo) == [], program.name
