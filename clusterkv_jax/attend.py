@@ -196,7 +196,11 @@ def layer_inputs(*args):
     constant PRNG keys), and XLA:GPU fuses the consumers of a shared operand across an unrolled program's layers
     into one kernel: Quest's page bounds of 30 layers became one 60-output kernel that ptxas compiled for 8 minutes,
     and the merged kernels keep every layer's keys alive until the last layer (docs/research_log.md, "Kernels
-    merged across layers"). An optimization barrier gives each layer its own copy of the values, at no cost."""
+    merged across layers"). An optimization barrier gives each layer values of its own; it computes nothing, but
+    it kept a layer's padded keys in memory where a TPU fused them (+137 MB at 32k), so only where the layer loop is
+    unrolled (`kernels.layer_loop`: a GPU's; a scanned loop has one body for all its layers)."""
+    if kernels.layer_loop() != "unrolled":
+        return args
     leaves, tree = jax.tree.flatten(args)
     arrays = [j for j, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]  # a state may hold callables
     for j, value in zip(arrays, jax.lax.optimization_barrier([leaves[j] for j in arrays])):
