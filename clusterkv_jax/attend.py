@@ -191,23 +191,6 @@ def layer_scope(layers):
     return jax.named_scope(f"layer{layers[0]}" if len(layers) == 1 else f"layers{layers[0]}-{layers[-1]}")
 
 
-def layer_inputs(*args):
-    """`args` as values of this layer's own. A policy's indexing reads operands every layer shares (the lengths,
-    constant PRNG keys), and XLA:GPU fuses the consumers of a shared operand across an unrolled program's layers
-    into one kernel: Quest's page bounds of 30 layers became one 60-output kernel that ptxas compiled for 8 minutes,
-    and the merged kernels keep every layer's keys alive until the last layer (docs/research_log.md, "Kernels
-    merged across layers"). An optimization barrier gives each layer values of its own; it computes nothing, but
-    it kept a layer's padded keys in memory where a TPU fused them (+137 MB at 32k), so only where the layer loop is
-    unrolled (`kernels.layer_loop`: a GPU's; a scanned loop has one body for all its layers)."""
-    if kernels.layer_loop() != "unrolled":
-        return args
-    leaves, tree = jax.tree.flatten(args)
-    arrays = [j for j, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]  # a state may hold callables
-    for j, value in zip(arrays, jax.lax.optimization_barrier([leaves[j] for j in arrays])):
-        leaves[j] = value
-    return jax.tree.unflatten(tree, leaves)
-
-
 def write_prompt_layer(policy, group, store, state, i, k_rows, v_rows, lengths, capacity: int):
     """What prefill does with layer i of `group` once its K/V are computed: in a selecting group, let the policy
     index the keys; store the prompt's K/V [B, K, T, H] as rows [0, T), or where the policy's layout puts each
@@ -219,7 +202,7 @@ def write_prompt_layer(policy, group, store, state, i, k_rows, v_rows, lengths, 
     with jax.named_scope("index"):
         # The policy sees this layer's keys [B, K, S, H] (rows >= lengths are padding), in the store's dtype.
         keys = jnp.pad(k_rows.astype(store.k.dtype), pad)
-        state = policy.after_prefill(*layer_inputs(state, keys, lengths))
+        state = policy.after_prefill(*kernels.layer_values(state, keys, lengths))
     layout = policy.prompt_rows(state)  # [B, K, R] position of each row, or None: row = position
     if layout is None:
         return store.write_prompt(i, k_rows, v_rows), state
@@ -329,7 +312,7 @@ def index_windows(policy, groups, lengths: jax.Array, prompt_lengths: jax.Array,
             def index_layer(i, store=store, state=state, due=due):
                 layer_state = jax.tree.map(lambda s: s[i], state)
                 keys = window_keys(policy, layer_state, store.layer(i, capacity), lengths, prompt_lengths)
-                return policy.index_due(*layer_inputs(layer_state, keys, due[i], prompt_lengths))
+                return policy.index_due(*kernels.layer_values(layer_state, keys, due[i], prompt_lengths))
 
             n = groups[j].num_layers  # one layer: unrolled; more: a loop
             with layer_scope(groups[j].layers):

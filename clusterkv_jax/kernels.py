@@ -159,6 +159,23 @@ def forced_layer_loop(loop: str):
     return _forcing(_layer_loop_override, loop)
 
 
+def layer_values(*args):
+    """`args` (pytrees) as values of one layer's own, where the layer loop is unrolled (a GPU's). A policy's
+    indexing reads operands every layer shares (the lengths, constant PRNG keys), and XLA:GPU fuses the consumers
+    of a shared operand across an unrolled program's layers into one kernel: Quest's page bounds of 30 layers became
+    one 60-output kernel that ptxas compiled for 8 minutes, and a merged kernel keeps every layer's keys alive until
+    the last layer (docs/research_log.md, "Kernels merged across layers"). An optimization barrier gives each layer
+    values of its own and computes nothing. A scanned loop has one body for all its layers, and there the barrier
+    kept a layer's padded keys in memory where a TPU fused them (+137 MB at 32k), so `args` come back as they are."""
+    if layer_loop() != "unrolled":
+        return args
+    leaves, tree = jax.tree.flatten(args)
+    arrays = [j for j, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]  # a state may hold callables
+    for j, value in zip(arrays, jax.lax.optimization_barrier([leaves[j] for j in arrays])):
+        leaves[j] = value
+    return jax.tree.unflatten(tree, leaves)
+
+
 def _check(impl: str) -> None:
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"kernel implementation must be one of {', '.join(IMPLEMENTATIONS)}, got {impl!r}")

@@ -281,23 +281,18 @@ def cosine_kmeans(
     if counts is not None and counts.size and (counts.min() < 1 or counts.max() > max_clusters):
         raise ValueError(f"num_clusters must be in [1, max_clusters={max_clusters}] for every problem, got "
                          f"{counts.tolist() if counts.size <= 8 else (counts.min(), counts.max())}")
+    # Every layer's K-means starts from the same constant PRNG keys: values of its own (`kernels.layer_values`).
+    keys, valid, num_clusters, rngs = kernels.layer_values(keys, valid, num_clusters, rngs)
     return _cosine_kmeans(keys, valid, num_clusters, rngs, max_clusters=max_clusters, max_iters=max_iters,
                           init=init, impl=impl, tol=tol, assign_impl=assign_impl,
                           fixed_iterations=kernels.branches_wait_for_host() if fixed_iterations is None
-                          else bool(fixed_iterations), own_inputs=kernels.layer_loop() == "unrolled")
+                          else bool(fixed_iterations))
 
 
 @functools.partial(jax.jit, static_argnames=("max_clusters", "max_iters", "init", "impl", "tol", "assign_impl",
-                                             "fixed_iterations", "own_inputs"))
+                                             "fixed_iterations"))
 def _cosine_kmeans(keys, valid, num_clusters, rngs, *, max_clusters: int, max_iters: int, init: str, impl: str,
-                   tol: float, assign_impl: str, fixed_iterations: bool, own_inputs: bool = False) -> KMeansResult:
-    # `own_inputs` (where the layer loop is unrolled, a GPU's): inputs of this call's own. Every layer's K-means
-    # starts from the same constant PRNG keys, and XLA:GPU merges the consumers of a shared operand across an
-    # unrolled program's layers into one kernel (every layer's initialisation, 24 outputs at 8 layers), which ptxas
-    # compiles slowly and which keeps every layer's keys alive until the last (`attend.layer_inputs`;
-    # docs/research_log.md, "Kernels merged across layers").
-    if own_inputs:
-        keys, valid, num_clusters, rngs = jax.lax.optimization_barrier((keys, valid, num_clusters, rngs))
+                   tol: float, assign_impl: str, fixed_iterations: bool) -> KMeansResult:
     keys, valid = _finite_keys(keys, valid)
     if init == "random":
         directions = init_random(keys, valid, max_clusters, rngs)

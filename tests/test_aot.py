@@ -363,7 +363,7 @@ def _write_prompt_program(config, policy, device, context: int):
 
 
 def test_no_kernel_reduces_for_several_layers(target):
-    """Each layer's indexing runs in kernels of its own (`attend.layer_inputs`). Every layer's K-means starts from
+    """Each layer's indexing runs in kernels of its own (`kernels.layer_values`). Every layer's K-means starts from
     the same PRNG keys and every layer reads the same lengths, and XLA:GPU fused the consumers of such a shared
     operand across an unrolled program's layers into one kernel: Quest's page bounds of 30 layers became one
     60-output kernel of the 32-layer prefill that ptxas compiled for 8 minutes, holding 3.2 GB of temporaries
