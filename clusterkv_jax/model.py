@@ -5,12 +5,13 @@ and output biases, per-head q/k norms, norms after the attention and the MLP, Ge
 embeddings, GeGLU, score scale and soft-capping, and a RoPE base of its own for sliding layers.
 
 Parameters are a plain pytree (see `param_shapes`), each layer parameter stacked on a leading [L] axis; every
-function here is pure and jit-able. The layers run in a plain Python loop, each reading its weights as a static
-slice of the stack (which XLA reads in place, each weight once a step). How a layer stores its K/V and attends (to
-every token, to its window, or to what a KV policy selects) is `clusterkv_jax.attend`'s: the model hands each
-layer's q, k, v to the step it runs (`attend.Prefill`, `attend.PrefillChunk`, `attend.Decode`) and knows nothing of
-the policy. A layer's K/V live in its group's store (`clusterkv_jax.cache`), written in place one row per layer.
-Norms, RoPE, softmax and logits are computed in float32.
+function here is pure and jit-able. On a GPU the layers run in a plain Python loop over per-layer arrays, each
+layer's q/k/v and gate/up weights fused into one array each (`for_device`), so XLA reads each weight once a step;
+elsewhere a `lax.scan` runs them over the stacks. How a layer stores its K/V and attends (to every token, to its
+window, or to what a KV policy selects) is `clusterkv_jax.attend`'s: the model hands each layer's q, k, v to the
+step it runs (`attend.Prefill`, `attend.PrefillChunk`, `attend.Decode`) and knows nothing of the policy. A
+layer's K/V live in its group's store (`clusterkv_jax.cache`), written in place one row per layer. Norms, RoPE,
+softmax and logits are computed in float32.
 
 Shapes: B batch, T tokens, S cache capacity, D hidden, N query heads, K KV heads, G = N // K, H head dim,
 F MLP width, V vocabulary, L layers.
@@ -75,16 +76,26 @@ LAYER_PARAM_AXES = {
     "v_bias": ("layers", "kv_heads", "head_dim"), "o_bias": ("layers", "embed"),
     "q_norm": ("layers", "head_dim"), "k_norm": ("layers", "head_dim"),
     "post_attn_norm": ("layers", "embed"), "post_mlp_norm": ("layers", "embed"),
+    # The fused layout (`fuse_layer`).
+    "qkv": ("layers", "embed", "kv_heads", "qkv", "head_dim"), "qkv_bias": ("layers", "kv_heads", "qkv", "head_dim"),
+    "gate_up": ("layers", "embed", "gate_up", "mlp"),
 }
+#: What `fuse_layer` makes of which layer parameters.
+FUSED = {"qkv": ("q", "k", "v"), "qkv_bias": ("q_bias", "k_bias", "v_bias"), "gate_up": ("gate", "up")}
 #: The same for the parameters outside the layers.
 PARAM_AXES = {"embed": ("vocab", "embed"), "final_norm": ("embed",), "lm_head": ("embed", "vocab")}
 
 
-def param_axes(config: ModelConfig) -> Params:
-    """`param_shapes(config)` with each shape replaced by its dims' logical names (a tuple of str)."""
+def param_axes(config: ModelConfig, fused: bool = False) -> Params:
+    """`param_shapes(config)` with each shape replaced by its dims' logical names (a tuple of str); with `fused`,
+    of the layers' fused layout (`fuse_layer`)."""
     shapes = param_shapes(config)
     named = {name: PARAM_AXES[name] for name in shapes if name != "layers"}
-    named["layers"] = {name: LAYER_PARAM_AXES[name] for name in shapes["layers"]}
+    names = list(shapes["layers"])
+    if fused:
+        names = [n for n in names if not any(n in parts for parts in FUSED.values())] + [
+            fused_name for fused_name, parts in FUSED.items() if parts[0] in shapes["layers"]]
+    named["layers"] = {name: LAYER_PARAM_AXES[name] for name in names}
     return named
 
 
@@ -124,10 +135,63 @@ def unstack_layers(params: Params, free: bool = False) -> Params:
     return {**params, "layers": tuple(per_layer)}
 
 
+def _grouped_by_kv_head(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """q [..., N, H], k and v [..., K, H] -> [..., K, G + 2, H]: each KV head's G query heads (query head n is
+    KV head n // G's), then its key, then its value."""
+    *lead, N, H = q.shape
+    K = k.shape[-2]
+    return jnp.concatenate([q.reshape(*lead, K, N // K, H), k[..., None, :], v[..., None, :]], axis=-2)
+
+
+def _laid_out(fuse, first: jax.Array, *rest: jax.Array) -> jax.Array:
+    """fuse(first, *rest), a fused array with one dim more, placed as `first` is (split over a mesh along the same
+    dims; the new dim, before the last, whole): a sharded layer's weights are fused on each device's shard, never
+    gathered."""
+    sharding = getattr(first, "sharding", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return fuse(first, *rest)
+    spec = tuple(sharding.spec) + (None,) * (first.ndim - len(sharding.spec))
+    placed = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[:-1], None, spec[-1]),
+                                        memory_kind=sharding.memory_kind)
+    return jax.jit(fuse, out_shardings=placed)(first, *rest)
+
+
+def fuse_layer(layer: dict[str, Any], free: bool = False) -> dict[str, Any]:
+    """A layer's parameters (one layer's, or stacked on [L]) with q, k and v as one array "qkv" grouped by KV head,
+    [..., D, K, G + 2, H] (`_grouped_by_kv_head`; their biases likewise as "qkv_bias"), and gate and up as one
+    "gate_up" [..., D, 2, F]; the rest as they are (`FUSED`). The model reads either layout.
+
+    Why: a decode step's projections become one matrix product where there were three and two. At batch 1
+    XLA:GPU turns a small vector-matrix product (Llama-3-8B's k and v projections, [4096] x [4096, 1024]) into an
+    elementwise product it writes out and a reduction, a write and a reread of 8.4 MB each a layer; the fused
+    [4096] x [4096, 6144] is a GEMM that reads its weight once, and the layer launches three kernels fewer
+    (docs/research_log.md). A prompt's q, k and v are still products of their own, from slices of the fused weight
+    (`_project_qkv`). Sharded by KV head, each device's block of the fused array holds the query, key and value
+    heads of its KV heads, the split the separate arrays have. `free` deletes each separate array once fused.
+    Fused layers come back as they are."""
+    if "q" not in layer:
+        return layer
+    out = {name: array for name, array in layer.items() if not any(name in parts for parts in FUSED.values())}
+    out["qkv"] = _laid_out(_grouped_by_kv_head, layer["q"], layer["k"], layer["v"])
+    if "q_bias" in layer:
+        out["qkv_bias"] = _laid_out(_grouped_by_kv_head, layer["q_bias"], layer["k_bias"], layer["v_bias"])
+    out["gate_up"] = _laid_out(lambda gate, up: jnp.stack([gate, up], axis=-2), layer["gate"], layer["up"])
+    if free:
+        for name in layer.keys() - out.keys():
+            if isinstance(layer[name], jax.Array):
+                layer[name].delete()
+    return out
+
+
 def for_device(params: Params, free: bool = False) -> Params:
-    """`params` in the layout the device's layer loop reads best (`kernels.layer_loop`): per layer on a GPU
-    (`unstack_layers`, `free` as there), stacked as they are elsewhere."""
-    return unstack_layers(params, free) if kernels.layer_loop() == "unrolled" else params
+    """`params` in the layout the device's layer loop reads best (`kernels.layer_loop`): on a GPU per layer
+    (`unstack_layers`) and fused (`fuse_layer`), `free` as there; stacked as they are elsewhere, where nothing
+    turns a small projection into a written-out product (the TPU's and the CPU's scanned steps hold no such
+    scratch)."""
+    if kernels.layer_loop() != "unrolled":
+        return params
+    per_layer = unstack_layers(params, free)
+    return {**per_layer, "layers": tuple(fuse_layer(layer, free) for layer in per_layer["layers"])}
 
 
 def _stacked_layers(params: Params) -> Params:
@@ -172,14 +236,37 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, interlea
     return rope.apply(x, jnp.cos(angles), jnp.sin(angles), interleaved)
 
 
+def _qkv_parts(layer: Params, fused_name: str):
+    """A layer's q [..., N, H], k and v [..., K, H] weights (fused_name "qkv") or biases ("qkv_bias") in either
+    layout: the separate arrays, or static slices of the fused one (`fuse_layer`); None for biases it lacks."""
+    names = FUSED[fused_name]
+    if fused_name not in layer:
+        return tuple(layer[name] for name in names) if names[0] in layer else None
+    fused = layer[fused_name]  # [..., K, G + 2, H]
+    *lead, K, parts, H = fused.shape
+    G = parts - 2
+    return fused[..., :G, :].reshape(*lead, K * G, H), fused[..., G, :], fused[..., G + 1, :]
+
+
 def _project_qkv(layer: Params, config: ModelConfig, x: jax.Array, cos_sin: tuple[jax.Array, jax.Array]):
     """x [B, T, D] -> post-RoPE q [B, T, N, H], k [B, T, K, H] (after the per-head norms, where the family has
     them) and v [B, T, K, H]; cos_sin from `rope.tables`."""
-    q = jnp.einsum("BTD,DNH->BTNH", x, layer["q"])
-    k = jnp.einsum("BTD,DKH->BTKH", x, layer["k"])
-    v = jnp.einsum("BTD,DKH->BTKH", x, layer["v"])
-    if "q_bias" in layer:
-        q, k, v = q + layer["q_bias"], k + layer["k_bias"], v + layer["v_bias"]
+    if "qkv" in layer and x.shape[1] == 1:
+        # Fused (`fuse_layer`) and one token: one product reads the three weights, [B, 1, K, G + 2, H].
+        qkv = jnp.einsum("BTD,DKPH->BTKPH", x, layer["qkv"])
+        if "qkv_bias" in layer:
+            qkv = qkv + layer["qkv_bias"]
+        B, T, K, G, H = qkv.shape[0], qkv.shape[1], qkv.shape[2], qkv.shape[3] - 2, qkv.shape[4]
+        q, k, v = qkv[:, :, :, :G].reshape(B, T, K * G, H), qkv[:, :, :, G], qkv[:, :, :, G + 1]
+    else:
+        # A product per part: a prompt's q, k and v are each written where the attention and the store read
+        # them, not split out of one fused output (at 32k, 0.4 GB more read and written a layer).
+        (wq, wk, wv), biases = _qkv_parts(layer, "qkv"), _qkv_parts(layer, "qkv_bias")
+        q = jnp.einsum("BTD,DNH->BTNH", x, wq)
+        k = jnp.einsum("BTD,DKH->BTKH", x, wk)
+        v = jnp.einsum("BTD,DKH->BTKH", x, wv)
+        if biases is not None:
+            q, k, v = q + biases[0], k + biases[1], v + biases[2]
     if "q_norm" in layer:
         q, k = _norm(q, layer["q_norm"], config), _norm(k, layer["k_norm"], config)
     rotate = functools.partial(rope.apply, cos=cos_sin[0], sin=cos_sin[1], interleaved=config.rope_interleaved)
@@ -200,8 +287,12 @@ MLP_CHUNK = 4096
 def _mlp(layer: Params, config: ModelConfig, x: jax.Array) -> jax.Array:
     """The gated MLP block with its residual add: x [B, T, D] -> [B, T, D]."""
     h = _norm(x, layer["mlp_norm"], config)
-    gate = jnp.einsum("BTD,DF->BTF", h, layer["gate"])
-    up = jnp.einsum("BTD,DF->BTF", h, layer["up"])
+    if "gate_up" in layer:  # fused (`fuse_layer`)
+        gate_up = jnp.einsum("BTD,DPF->BTPF", h, layer["gate_up"])
+        gate, up = gate_up[:, :, 0], gate_up[:, :, 1]
+    else:
+        gate = jnp.einsum("BTD,DF->BTF", h, layer["gate"])
+        up = jnp.einsum("BTD,DF->BTF", h, layer["up"])
     act = jax.nn.silu(gate) if config.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
     mlp = jnp.einsum("BTF,FD->BTD", act * up, layer["down"])
     if "post_mlp_norm" in layer:

@@ -12,8 +12,9 @@ What each array gets (`data` / `model` are the mesh axes; "-" is replicated):
 |---|---|
 | embed, lm_head, norms, o_bias | replicated |
 | q / k / v [L, D, heads, H], their biases | heads on model |
+| a GPU's fused qkv [D, K, G + 2, H] (per layer), its bias | K on model |
 | o [L, N, H, D] | N on model |
-| gate / up [L, D, F], down [L, F, D] | F on model |
+| gate / up [L, D, F], down [L, F, D]; a GPU's fused gate_up [D, 2, F] | F on model |
 | a group's store k / v [n, B, K, S, H] | (-, data, model, -, -) |
 | lengths, prompt_lengths [B] | (data) |
 | policy state, window ring and recall cache leaves | the B dim on data, the KV / selection-head dim on model |
@@ -49,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from clusterkv_jax import axes
+from clusterkv_jax import axes, kernels
 from clusterkv_jax.cache import KVCache, init_cache, memory_kinds
 from clusterkv_jax.config import ModelConfig
 from clusterkv_jax.model import param_axes
@@ -282,18 +283,21 @@ def _as_rules(config, mesh_or_rules, batch_size=None) -> ShardingRules:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def param_specs(config: ModelConfig, rules: ShardingRules) -> dict[str, Any]:
-    """PartitionSpecs in the layout of `model.param_shapes`, from the logical axes `model.param_axes` names:
-    Megatron-style heads / MLP width split on "model"."""
-    return jax.tree.map(lambda names: rules.spec(axes.Axes(names)), param_axes(config),
+def param_specs(config: ModelConfig, rules: ShardingRules, fused: bool = False) -> dict[str, Any]:
+    """PartitionSpecs in the layout of `model.param_shapes` (with `fused`, the layers' fused layout:
+    `model.fuse_layer`), from the logical axes `model.param_axes` names: Megatron-style heads / MLP width split on
+    "model"."""
+    return jax.tree.map(lambda names: rules.spec(axes.Axes(names)), param_axes(config, fused),
                         is_leaf=lambda x: isinstance(x, tuple))
 
 
-def param_shardings(config: ModelConfig, mesh_or_rules, per_layer: bool = False) -> dict[str, Any]:
+def param_shardings(config: ModelConfig, mesh_or_rules, per_layer: bool = False, fused: bool = False
+                    ) -> dict[str, Any]:
     """NamedShardings in the layout of `model.param_shapes`, or with `per_layer` in that of `model.unstack_layers`
-    (each layer's arrays without the leading "layers" dim, which is never split)."""
+    (each layer's arrays without the leading "layers" dim, which is never split); with `fused`, the layers' q/k/v
+    and gate/up fused (`model.fuse_layer`: what `model.for_device` gives a GPU)."""
     rules = _as_rules(config, mesh_or_rules)
-    specs = param_specs(config, rules)
+    specs = param_specs(config, rules, fused)
     if per_layer:
         layer = {name: P(*spec[1:]) for name, spec in specs["layers"].items()}
         specs = {**specs, "layers": tuple(dict(layer) for _ in range(config.num_layers))}
@@ -303,7 +307,9 @@ def param_shardings(config: ModelConfig, mesh_or_rules, per_layer: bool = False)
 def shard_params(params, config: ModelConfig, mesh) -> Any:
     """Places `params` (stacked or per layer) on `mesh` (a Mesh, a spec such as "data=2,model=2", or ShardingRules).
     Arrays that already have their sharding are not copied."""
-    shardings = param_shardings(config, mesh, per_layer=not isinstance(params["layers"], dict))
+    per_layer = not isinstance(params["layers"], dict)
+    fused = "qkv" in (params["layers"][0] if per_layer else params["layers"])
+    shardings = param_shardings(config, mesh, per_layer=per_layer, fused=fused)
     return jax.tree.map(lambda x, s: x if getattr(x, "sharding", None) == s else jax.device_put(x, s),
                         params, shardings)
 
@@ -374,8 +380,14 @@ def padded_batch(batch_size: int, mesh) -> int:
     return math.ceil(batch_size / data) * data
 
 
-@functools.lru_cache(maxsize=256)
 def cached_cache_shardings(config: ModelConfig, policy, batch_size: int, capacity: int, dtype,
                            rules: ShardingRules) -> KVCache:
-    """`cache_shardings`, memoised on its (hashable) arguments: the jitted steps call it while tracing."""
+    """`cache_shardings`, memoised on its (hashable) arguments and on the layer loop, which decides the cache's
+    groups (`cache.plan_layers`; a test may force a GPU's loop on the CPU): the jitted steps call it while
+    tracing."""
+    return _cached_cache_shardings(config, policy, batch_size, capacity, dtype, rules, kernels.layer_loop())
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_cache_shardings(config, policy, batch_size, capacity, dtype, rules, layer_loop) -> KVCache:
     return cache_shardings(config, policy, batch_size, capacity, dtype, rules)

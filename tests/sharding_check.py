@@ -23,7 +23,7 @@ from clusterkv_jax.config import ModelConfig
 from clusterkv_jax.distributed import held_bytes
 from clusterkv_jax.generate import Sampling, decode_step, generate_ids, prefill
 from clusterkv_jax.loading import Model
-from clusterkv_jax.model import init_params, unstack_layers
+from clusterkv_jax.model import for_device, fuse_layer, init_params, unstack_layers
 from pallas_kernels import dispatch
 
 # 4 query / 2 KV heads: model=2 splits them. 6 / 3: it cannot (the fallback replicates them).
@@ -160,6 +160,25 @@ def main(out_path: str) -> None:
     res["per_layer_values_equal"] = all(
         np.array_equal(np.asarray(per_layer[i][name]), np.asarray(model.params["layers"][name][i]))
         for i in range(CFG.num_layers) for name in model.params["layers"])
+    # Fused per-layer parameters (what `for_device` gives a GPU, `fuse_layer`), fused from the placed ones: qkv
+    # [D, K, G + 2, H] split by KV head, so each device holds the query, key and value heads of its KV heads;
+    # gate_up [D, 2, F] by F. Placed so, `shard_params` moves nothing.
+    fused = tuple(fuse_layer(layer) for layer in per_layer)
+    placed_again = sh.shard_params({**model.params, "layers": fused}, CFG, mesh)["layers"]
+    res["fused_placed_as_sharded"] = all(x is y for x, y in zip(jax.tree.leaves(fused), jax.tree.leaves(placed_again)))
+    want.update({
+        "params.fused.qkv": (fused[1]["qkv"], named(None, "model", None, None)),
+        "params.fused.gate_up": (fused[0]["gate_up"], named(None, None, "model")),
+        "params.fused.o": (fused[1]["o"], named("model", None, None)),
+    })
+    G = CFG.num_heads // CFG.num_kv_heads
+    stacked = {name: np.asarray(x) for name, x in model.params["layers"].items()}
+    res["fused_values_equal"] = all(
+        np.array_equal(np.asarray(fused[i]["qkv"])[:, kv, G], stacked["k"][i][:, kv])
+        and np.array_equal(np.asarray(fused[i]["qkv"])[:, kv, G + 1], stacked["v"][i][:, kv])
+        and np.array_equal(np.asarray(fused[i]["qkv"])[:, kv, :G], stacked["q"][i][:, kv * G:(kv + 1) * G])
+        and np.array_equal(np.asarray(fused[i]["gate_up"])[:, 1], stacked["up"][i])
+        for i in range(CFG.num_layers) for kv in range(CFG.num_kv_heads))
     res["shardings"] = {k: _sharding_report(x, s) for k, (x, s) in want.items()}
     # A second call reuses the placed parameters (no new placement).
     generate(model, prompts[:2], NEW, policy=POLICIES["full"], mesh=mesh, stop_at_eos=False)
@@ -209,6 +228,17 @@ def main(out_path: str) -> None:
             Sampling.make(), jax.random.PRNGKey(0), jnp.zeros((0,), jnp.int32), jnp.int32(0), config=CFG,
             policy=policy, max_new_tokens=NEW, capacity=cap, cache_dtype=jnp.dtype(jnp.float32), sharding=rules)
         res["collectives"][name] = _collectives(lowered.compile().as_text())
+    # A GPU's program: the layers unrolled over per-layer, fused parameters (`for_device`).
+    from clusterkv_jax import kernels
+
+    with kernels.forced_layer_loop("unrolled"):
+        gpu_params = sh.shard_params(for_device(model.params), CFG, mesh)
+        lowered = generate_ids.lower(
+            gpu_params, sh.shard_batch(tokens, rules), sh.shard_batch(np.array(LENGTHS, np.int32), rules),
+            Sampling.make(), jax.random.PRNGKey(0), jnp.zeros((0,), jnp.int32), jnp.int32(0), config=CFG,
+            policy=POLICIES["clusterkv_offload"], max_new_tokens=NEW, capacity=cap,
+            cache_dtype=jnp.dtype(jnp.float32), sharding=rules)
+        res["collectives"]["gpu_layout"] = _collectives(lowered.compile().as_text())
     res["sizes"] = {"B": B, "T": 64, "D": CFG.hidden_size, "S": cap}
 
     section("collectives")

@@ -145,11 +145,16 @@ def test_decode_reads_every_weight_in_place(target, policy):
     on an H200 the weights read about 2.6 times a step); on a GPU the layers now run unrolled over per-layer arrays
     (`kernels.layer_loop`, `model.unstack_layers`); a static slice of the stack still had the output projection
     copied (33.6 MB). At a 1k context, batch 1, a step's whole scratch is now smaller than one layer's q projection
-    (33.5 MB). What is left on sm90 (16.8 MB) is XLA:GPU's rewrite of the k and v projections, vector-matrix
-    products of that size, into a product it materialises and a reduction (docs/research_log.md)."""
+    (33.5 MB). Nor does a GPU's step write a weight-sized product: XLA:GPU turned the k and v projections,
+    vector-matrix products of 8.4 MB weights, into products it wrote out and reread (16.8 MB of full KV's
+    scratch); on a GPU they are one fused q/k/v product (`model.fuse_layer`), and full KV's scratch is under one
+    layer's k projection (0.2 MB on sm90; docs/research_log.md)."""
     program = aot.model_programs(CONFIG, {"p": policy}, device=target, batch=1, context=1024)[0]
     q_projection = CONFIG.hidden_size * CONFIG.num_heads * CONFIG.head_dim * 2  # bfloat16
     assert program.device_temp_bytes < q_projection, (program.device_temp_bytes, q_projection)
+    if isinstance(policy, FullKV):
+        k_projection = CONFIG.hidden_size * CONFIG.num_kv_heads * CONFIG.head_dim * 2
+        assert program.device_temp_bytes < k_projection, (program.device_temp_bytes, k_projection)
 
 
 def _top_level(hlo: str, op: str) -> int:

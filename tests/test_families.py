@@ -136,10 +136,11 @@ def test_policies_run_and_offloading_changes_nothing(case):
     on_device = _generate(ours, ids, small)[0]
     assert _generate(ours, ids, ckv.ClusterKV(budget=24, offload=True, **SMALL))[0] == on_device, name
     assert len(_generate(ours, ids, ckv.Quest(budget=32, page_size=8, full_layers=1))[0]) == NEW
-    # The layers as a GPU runs them (a Python loop over per-layer parameters, not the CPU's scan over stacked ones):
-    # the same tokens, with the KV in device and in host memory.
-    gpu_layout = dataclasses.replace(ours, params=ckv.model.unstack_layers(ours.params))
+    # The layers as a GPU runs them (a Python loop over per-layer parameters, q/k/v and gate/up fused, not the
+    # CPU's scan over stacked ones): the same tokens, with the KV in device and in host memory.
     with ckv.kernels.forced_layer_loop("unrolled"):
+        gpu_layout = dataclasses.replace(ours, params=ckv.model.for_device(ours.params))
+        assert "qkv" in gpu_layout.params["layers"][0], name
         assert _generate(gpu_layout, ids, small)[0] == on_device, name
         assert _generate(gpu_layout, ids, ckv.ClusterKV(budget=24, offload=True, **SMALL))[0] == on_device, name
 

@@ -109,11 +109,12 @@ def test_bfloat16_params_stay_close_to_float32(smollm2):
 
 
 def test_either_layer_loop_over_either_parameter_layout_gives_the_same_logits():
-    """A GPU runs the layers in a Python loop over per-layer parameters (`kernels.layer_loop`,
-    `model.unstack_layers`); elsewhere a `lax.scan` over the stacked ones, the form the HF comparisons check. On a
-    tiny Gemma-3-like model (windowed layers with a RoPE base of their own among global ones; ClusterKV selecting
-    after one full layer), all four combinations give the same prefill logits at every position and the same
-    logits in each of 6 decode steps, which cross ClusterKV's decode-time clustering, and the same policy state."""
+    """A GPU runs the layers in a Python loop over per-layer parameters, q/k/v and gate/up fused
+    (`kernels.layer_loop`, `model.for_device`); elsewhere a `lax.scan` over the stacked ones, the form the HF
+    comparisons check. On a tiny Gemma-3-like model (windowed layers with a RoPE base of their own among global
+    ones; ClusterKV selecting after one full layer), both loops over four layouts (stacked or per layer, fused or
+    not) give the same prefill logits at every position and the same logits in each of 6 decode steps, which cross
+    ClusterKV's decode-time clustering, and the same policy state."""
     from clusterkv_jax import ClusterKV, ModelConfig, kernels, model
 
     config = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=10, num_heads=4,
@@ -126,11 +127,16 @@ def test_either_layer_loop_over_either_parameter_layout_gives_the_same_logits():
     per_layer = model.unstack_layers(stacked)
     assert len(per_layer["layers"]) == 10 and per_layer["layers"][2]["q"].shape == stacked["layers"]["q"].shape[1:]
     np.testing.assert_array_equal(per_layer["layers"][2]["q"], stacked["layers"]["q"][2])
+    with kernels.forced_layer_loop("unrolled"):
+        gpu = model.for_device(stacked)  # per layer and fused
+    assert set(gpu["layers"][4]) == set(model.param_axes(config, fused=True)["layers"])
+    layouts = {"stacked": stacked, "per layer": per_layer, "per layer, fused": gpu,
+               "stacked, fused": {**stacked, "layers": model.fuse_layer(stacked["layers"])}}
     ids = np.random.default_rng(0).integers(0, config.vocab_size, (1, 64))
     results = {}
     for loop in kernels.LAYER_LOOPS:
         with kernels.forced_layer_loop(loop):
-            for layout, params in (("stacked", stacked), ("per layer", per_layer)):
+            for layout, params in layouts.items():
                 cache = init_cache(config, policy, 1, 128, jnp.float32)
                 logits, cache = jax.jit(lambda p, c: model.forward_prefill(
                     p, config, policy, jnp.asarray(ids), jnp.array([64]), c, all_logits=True))(params, cache)
@@ -148,6 +154,46 @@ def test_either_layer_loop_over_either_parameter_layout_gives_the_same_logits():
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=str(key))
         for got, want in zip(state, reference_state, strict=True):  # the selecting layers' states, in model order
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=str(key))
+
+
+def test_fused_layer_holds_each_kv_heads_query_key_and_value_heads():
+    """`model.fuse_layer`'s layout, against a NumPy regrouping: qkv[:, j] is KV head j's G query heads (query head n
+    belongs to KV head n // G, as the attention groups them), then its key, then its value; the biases alike;
+    gate_up[:, 0] the gate, [:, 1] the up projection; the other parameters untouched. Stacked or one layer's."""
+    from clusterkv_jax import ModelConfig, model
+
+    config = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=6,
+                         num_kv_heads=2, head_dim=4, max_position_embeddings=64, qkv_bias=True)
+    stacked = jax.tree.map(np.asarray, model.init_params(config, jax.random.key(0))["layers"])
+    G = 3
+    for layer, lead in ((stacked, (2,)), (jax.tree.map(lambda x: x[1], stacked), ())):
+        fused = jax.tree.map(np.asarray, model.fuse_layer(jax.tree.map(jnp.asarray, layer)))
+        assert set(fused) == set(model.param_axes(config, fused=True)["layers"])
+        assert fused["qkv"].shape == (*lead, 16, 2, G + 2, 4) and fused["gate_up"].shape == (*lead, 16, 2, 24)
+        for j in range(2):
+            for g in range(G):
+                np.testing.assert_array_equal(fused["qkv"][..., j, g, :], layer["q"][..., j * G + g, :])
+                np.testing.assert_array_equal(fused["qkv_bias"][..., j, g, :], layer["q_bias"][..., j * G + g, :])
+            for part, name in ((G, "k"), (G + 1, "v")):
+                np.testing.assert_array_equal(fused["qkv"][..., j, part, :], layer[name][..., j, :])
+                np.testing.assert_array_equal(fused["qkv_bias"][..., j, part, :], layer[f"{name}_bias"][..., j, :])
+        np.testing.assert_array_equal(fused["gate_up"][..., 0, :], layer["gate"])
+        np.testing.assert_array_equal(fused["gate_up"][..., 1, :], layer["up"])
+        for name in ("o", "down", "attn_norm", "mlp_norm"):
+            np.testing.assert_array_equal(fused[name], layer[name])
+    # What `load_model` does on a GPU: per layer and fused, each array it was given deleted once it is laid out anew
+    # (the weights are never twice on the device), the same values.
+    from clusterkv_jax import kernels
+
+    params = model.init_params(config, jax.random.key(0))
+    with kernels.forced_layer_loop("unrolled"):
+        gpu = model.for_device(params, free=True)
+    assert all(x.is_deleted() for x in jax.tree.leaves(params["layers"]))
+    for i in range(2):
+        want = jax.tree.map(np.asarray, model.fuse_layer(jax.tree.map(lambda x: jnp.asarray(x[i]), stacked)))
+        assert jax.tree.structure(want) == jax.tree.structure(gpu["layers"][i])
+        for got, expected in zip(jax.tree.leaves(gpu["layers"][i]), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(got, expected)
 
 
 @pytest.mark.parametrize("window, cap", [(None, None), (100, None), (None, 30.0), (300, 30.0)])

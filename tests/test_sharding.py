@@ -81,6 +81,8 @@ def test_arrays_have_the_intended_shardings(report):
             "params.per_layer.q", "decode_step.host_k"} <= set(report["shardings"])
     assert report["params_reused"], "a second generate() on the same mesh placed the parameters again"
     assert report["per_layer_values_equal"], "per-layer parameters placed on the mesh differ from the stacked ones"
+    assert report["fused_values_equal"], "fused parameters placed on the mesh differ from the separate ones"
+    assert report["fused_placed_as_sharded"], "fusing sharded parameters did not keep their split"
 
 
 def test_compiled_program_has_no_gather_of_kv(report):
