@@ -135,7 +135,8 @@ class Decode:
         view = store.write_token(i, rows, k[:, 0], v[:, 0]).layer(i, S)
         if not group.selecting:
             with jax.named_scope("attend"):
-                out = attention.decode_attention(q[:, 0], view.keys(), view.values(), lengths, self.cap)
+                out = kernels.decode_attention(q[:, 0], view.keys(), view.values(), lengths, cap=self.cap,
+                                               impl=kernels.resolve(self.policy.kernels, "decode_attention"))
             return out[:, None], view.store, state, jnp.bool_(False)
         out, new_state, view = decode_selecting(self.policy, state, q[:, 0], view, lengths, self.prompt_lengths,
                                                 self.cap)

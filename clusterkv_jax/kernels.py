@@ -31,6 +31,7 @@ from pallas_kernels import (
     cluster_to_block_index as _cluster_to_block_index_pallas,
     cluster_to_block_index_reference,
     cluster_to_block_index_tpu,
+    decode_attention as _decode_attention_pallas,
     kmeans_assign as _kmeans_assign_pallas,
     kmeans_assign_reference,
     selected_attention as _selected_attention_pallas,
@@ -38,6 +39,7 @@ from pallas_kernels import (
     selected_attention_tpu,
 )
 from pallas_kernels import dispatch
+from pallas_kernels.decode_attention import split_for
 
 #: What a policy may ask for: "auto" (on a TPU the Mosaic kernels; on a CUDA GPU the faster of kernel and reference
 #: for each op, `AUTO_ON_GPU`; elsewhere the references), "pallas" (the kernels, or an error), "reference",
@@ -46,14 +48,15 @@ MODES = ("auto", "pallas", "reference", "interpret")
 #: What runs.
 IMPLEMENTATIONS = ("reference", "pallas", "interpret", "tpu")
 #: The ops, by the names `resolve` takes.
-OPS = ("centroid_update", "cluster_to_block_index", "kmeans_assign", "selected_attention")
+OPS = ("centroid_update", "cluster_to_block_index", "decode_attention", "kmeans_assign", "selected_attention")
 #: What "auto" runs for each op on a CUDA GPU: the one that was faster on an H200 (`python -m pallas_kernels.bench`,
 #: docs/research_log.md "First run on a GPU"): XLA's segment sum and gathered attention beat the centroid-update and
 #: page-table attention kernels; the block-indexing kernel is kept. K-means' assignment kernel is chosen by the bytes,
 #: not yet by a GPU's clock: XLA writes and rereads the [N, C] similarities it keeps on chip (53 MB a KV head and
-#: iteration at 32k against 8 MB of keys; docs/research_log.md).
-AUTO_ON_GPU = {"centroid_update": "reference", "cluster_to_block_index": "pallas", "kmeans_assign": "pallas",
-               "selected_attention": "reference"}
+#: iteration at 32k against 8 MB of keys; docs/research_log.md). Full decode attention stays XLA's until a GPU has
+#: timed JAX's flash-decoding kernel against it (`python -m pallas_kernels.bench`).
+AUTO_ON_GPU = {"centroid_update": "reference", "cluster_to_block_index": "pallas", "decode_attention": "reference",
+               "kmeans_assign": "pallas", "selected_attention": "reference"}
 
 
 def resolve(mode: str, op: str | None = None) -> str:
@@ -220,6 +223,25 @@ def cluster_to_block_index(ranked_sizes: jax.Array, ranked_starts: jax.Array, *,
         run = functools.partial(_cluster_to_block_index_pallas, tokens=tokens, slots=slots, block_size=block_size,
                                 interpret=impl == "interpret")
     return per_shard(lambda s, st: run(s, st), ranked_sizes, ranked_starts)
+
+
+def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *, cap: float | None = None,
+                     impl: str) -> jax.Array:
+    """One query per query head over the first lengths[b] rows of its KV head: q [B, N, H], k and v [B, K, S, H]
+    -> [B, N, H] float32 (`attention.decode_attention`). "pallas" / "interpret": JAX's flash-decoding kernel
+    (`pallas_kernels.decode_attention`), once per device's shard under a mesh; soft-capped scores (Gemma 2) and a
+    capacity the kernel's blocks do not divide take XLA's form, as "reference" and "tpu" do."""
+    _check(impl)
+    if impl in ("pallas", "interpret") and cap is not None:
+        _say_once("the flash-decoding kernel has no soft-capped scores: soft-capped layers decode in XLA")
+    if impl in ("reference", "tpu") or cap is not None or split_for(k.shape[2]) is None:
+        return attention.decode_attention(q, k, v, lengths, cap)
+    B, N, H = q.shape
+    K = k.shape[1]
+    run = functools.partial(_decode_attention_pallas, interpret=impl == "interpret")
+    out = per_shard(lambda q, k, v, lengths: run(q, k, v, lengths), q.reshape(B, K, N // K, H), k, v,
+                    jnp.broadcast_to(lengths[:, None], (B, K)).astype(jnp.int32))
+    return out.reshape(B, N, H)
 
 
 def selected_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, pages: jax.Array, mask: jax.Array, *,

@@ -7,6 +7,8 @@ version (`*_tpu`).
   `cluster_to_block_index_tpu` the same with triangular products and [slots, clusters] masks.
 - `kmeans_assign`: K-means' assignment, each key's most similar cluster, with the similarities kept on chip (GPU
   only: on a TPU XLA's product runs).
+- `decode_attention`: full decode attention split over the sequence (flash-decoding), JAX's own Pallas GPU kernel
+  mapped over the (sequence, KV head) pairs.
 - `selected_attention`: decode attention straight from the store through a page table per selection head
   (online softmax over the selected pages and the window; no gathered copy); `selected_attention_tpu` the same
   on a TPU (the page table as a scalar-prefetch operand, one page per grid step).
@@ -20,6 +22,7 @@ from pallas_kernels.centroid_update import centroid_update, centroid_update_refe
 from pallas_kernels.centroid_update_tpu import centroid_update_tpu
 from pallas_kernels.cluster_index import cluster_to_block_index, cluster_to_block_index_reference
 from pallas_kernels.cluster_index_tpu import cluster_to_block_index_tpu
+from pallas_kernels.decode_attention import decode_attention, decode_attention_reference
 from pallas_kernels.dispatch import kernels_supported, on_tpu
 from pallas_kernels.kmeans_assign import kmeans_assign, kmeans_assign_reference
 from pallas_kernels.selected_attention import selected_attention, selected_attention_reference
@@ -32,6 +35,8 @@ __all__ = [
     "cluster_to_block_index",
     "cluster_to_block_index_reference",
     "cluster_to_block_index_tpu",
+    "decode_attention",
+    "decode_attention_reference",
     "kernels_supported",
     "kmeans_assign",
     "kmeans_assign_reference",

@@ -19,6 +19,7 @@ import numpy as np
 
 from pallas_kernels.centroid_update import centroid_update, centroid_update_reference
 from pallas_kernels.cluster_index import cluster_to_block_index, cluster_to_block_index_reference
+from pallas_kernels.decode_attention import decode_attention, decode_attention_reference
 from pallas_kernels.dispatch import kernels_supported
 from pallas_kernels.kmeans_assign import kmeans_assign, kmeans_assign_reference
 from pallas_kernels.selected_attention import selected_attention, selected_attention_reference
@@ -128,6 +129,22 @@ def main(argv=None) -> None:
                                - selected_attention_reference(q, k, v, table, mask))
                 err = f"max|Δ| {float(jnp.max(diff)):.2e}"
             _row(f"selected_attention G={G}", f"{jnp.dtype(dtype).name} h={h} 101x16 rows", ref_ms, kernel_ms, err)
+
+    # One full layer's decode attention (Llama-3-8B: 8 KV heads of 4 query heads, 128 dims, bfloat16) over the
+    # caches `bench decode` sizes for 32k and 128k, batch 1, the last 24 rows not yet written: what
+    # `kernels.AUTO_ON_GPU["decode_attention"]` is to be chosen by (XLA's form, or JAX's flash-decoding kernel).
+    for rows in (33280, 133120):
+        q = jnp.asarray(rng.standard_normal((1, 8, 4, 128), np.float32), jnp.bfloat16)
+        k, v = (jnp.asarray(rng.standard_normal((1, 8, rows, 128), np.float32), jnp.bfloat16) for _ in range(2))
+        lengths = jnp.full((1, 8), rows - 24, jnp.int32)
+        ref = jax.jit(decode_attention_reference)
+        ref_ms = _median_ms(ref, q, k, v, lengths, repeats=args.repeats)
+        kernel_ms, err = None, ""
+        if on_gpu:
+            kern = jax.jit(decode_attention)
+            kernel_ms = _median_ms(kern, q, k, v, lengths, repeats=args.repeats)
+            err = f"max|Δ| {float(jnp.max(jnp.abs(kern(q, k, v, lengths) - ref(q, k, v, lengths)))):.2e}"
+        _row("decode_attention G=4", f"bfloat16 K=8 S={rows}", ref_ms, kernel_ms, err)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from pallas_kernels.centroid_update_tpu import centroid_update_tpu
 from pallas_kernels.cluster_index import cluster_to_block_index
 from pallas_kernels.cluster_index_tpu import cluster_to_block_index_tpu
 from pallas_kernels.kmeans_assign import kmeans_assign
+from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.selected_attention import selected_attention
 from pallas_kernels.selected_attention_tpu import selected_attention_tpu
 
@@ -199,6 +200,12 @@ def main(argv=None) -> int:
             kernels = _check(name, selected_attention, S((1, h, G, 128), dtype), S((pages, 16, 128), dtype),
                              S((pages, 16, 128), dtype), S((1, h, 101), i32), S((1, h, 101, 16), jnp.bool_))
             results.append((f"{name} {jnp.dtype(dtype).name}", kernels))
+    # A full layer's decode attention (JAX's flash-decoding kernel) over `bench decode`'s 32k cache, both dtypes.
+    for dtype in (jnp.float32, jnp.bfloat16):
+        name = "decode_attention G=4 S=33280"
+        kernels = _check(name, decode_attention, S((1, 8, 4, 128), dtype), S((1, 8, 33280, 128), dtype),
+                         S((1, 8, 33280, 128), dtype), S((1, 8), i32))
+        results.append((f"{name} {jnp.dtype(dtype).name}", kernels))
     ok = all(k is not None for _, k in results)
     print("all kernels lowered for cuda" if ok else "LOWERING FAILED")
     print("lowering for platform tpu")

@@ -94,6 +94,9 @@ def test_targets_are_an_sm90_gpu_and_a_v5e(target):
 #: What kernels="auto" keeps in a ClusterKV decode step on sm90: the block indexing only (on an H200 XLA's segment sum
 #: and gathered attention beat the centroid-update and page-table attention kernels, docs/research_log.md).
 AUTO_ON_SM90 = ("cluster_to_block_index",)
+#: The full layers' decode attention with kernels="pallas": JAX's flash-decoding kernel (its function, `mqa`) on sm90;
+#: on a TPU XLA's form.
+DECODE_ATTENTION = {"gpu": ("mqa",), "tpu": ()}
 
 
 #: The fused attention a prompt runs through (`kernels.prompt_attention`): cuDNN's on sm90, splash on a TPU.
@@ -239,13 +242,15 @@ def test_a_gpu_prefill_clusters_without_waiting_for_the_host(target):
 @pytest.mark.parametrize("gqa", ["per_head", "shared"])
 def test_clusterkv_decode_and_prefill_compile_with_the_pallas_kernels(target, gqa):
     """kernels="pallas": on sm90 the Triton kernels, on a TPU their Mosaic versions: the decode step holds the
-    cluster-to-block indexing and the page-table attention, the decode-time clustering between steps
+    cluster-to-block indexing and the page-table attention (on sm90 the full layers' flash-decoding kernel too,
+    without a copy of their stores), the decode-time clustering between steps
     (`index_due_windows`) K-means' centroid update; prefill holds the centroid update (and the prompt's flash
     attention). kernels="auto": on a TPU the same; on sm90 the block indexing alone. kernels="reference" compiles to
     none."""
     policy = ClusterKV(budget=256, gqa=gqa, kernels="pallas")
     programs = _compile(policy, target, prefill=True, index=True)
-    assert programs["decode"].kernels == _named(("cluster_to_block_index", "selected_attention"), target)
+    assert programs["decode"].kernels == tuple(sorted(
+        _named(("cluster_to_block_index", "selected_attention"), target) + DECODE_ATTENTION[target.platform]))
     kmeans = _named(("centroid_update",), target) + KMEANS_ASSIGN[target.platform]
     assert programs["index"].kernels == tuple(sorted(kmeans))
     assert programs["prefill"].kernels == tuple(sorted(kmeans + (PROMPT_KERNEL[target.platform],)))
@@ -317,7 +322,9 @@ def test_family_geometries_compile_with_the_pallas_kernels(target, geometry):
     config = synthetic_config(geometry, layers=6 if geometry == "gemma3-12b" else 3)
     programs = aot.model_programs(config, {"p": ClusterKV(budget=256, kernels="pallas")}, device=target, batch=1,
                                   context=CONTEXT, index=("p",))
-    assert programs[0].kernels == _named(("cluster_to_block_index", "selected_attention"), target)
+    # Gemma 3's first two layers, ClusterKV's full ones, are windowed: no layer attends to its whole cache.
+    full = DECODE_ATTENTION[target.platform] if geometry != "gemma3-12b" else ()
+    assert programs[0].kernels == tuple(sorted(_named(("cluster_to_block_index", "selected_attention"), target) + full))
     assert programs[1].name == "index p" and programs[1].kernels == tuple(sorted(
         _named(("centroid_update",), target) + KMEANS_ASSIGN[target.platform]))
 

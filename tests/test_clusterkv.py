@@ -317,18 +317,23 @@ def test_rank_and_index_matches_brute_force(sizes, tokens, slots, block, seed, f
 
 
 def test_pallas_kernels_in_interpret_mode_match_the_reference_path(monkeypatch):
-    """K-means (centroid_update), selection (cluster_to_block_index) and decode attention (selected_attention,
-    straight from the store) through the Pallas kernels, run in interpret mode on a CPU (compiled on a CUDA GPU),
-    give the same clusters, layout and logits as the pure-jnp path."""
+    """K-means (centroid_update), selection (cluster_to_block_index), the selecting layers' decode attention
+    (selected_attention, straight from the store) and the full layers' (JAX's flash-decoding kernel) through the
+    Pallas kernels, run in interpret mode on a CPU (compiled on a CUDA GPU), give the same clusters, layout and
+    logits as the pure-jnp path."""
     from clusterkv_jax import attend as attend_module
+    from clusterkv_jax import kernels
 
     tokens, lengths = TOKENS[:2], LENGTHS[:2]
     ref, ref_cache = run(ClusterKV(budget=40, kernels="reference", **SMALL), tokens, lengths, steps=18)
-    in_place = []
+    in_place, flash = [], []
     attend = attend_module.attend_in_place
     monkeypatch.setattr(attend_module, "attend_in_place", lambda *a, **k: in_place.append(1) or attend(*a, **k))
+    decode = kernels._decode_attention_pallas
+    monkeypatch.setattr(kernels, "_decode_attention_pallas", lambda *a, **k: flash.append(1) or decode(*a, **k))
     pal, pal_cache = run(ClusterKV(budget=40, kernels=triton_mode(), **SMALL), tokens, lengths, steps=18)
     assert in_place, "the decode steps attend straight from the store (selected_attention)"
+    assert flash, "the full layers' decode steps attend through the flash-decoding kernel"
     for field in ("sizes", "block_start", "row_positions"):
         np.testing.assert_array_equal(np.asarray(getattr(pal_cache.policy_state, field)),
                                       np.asarray(getattr(ref_cache.policy_state, field)))

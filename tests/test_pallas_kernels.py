@@ -435,6 +435,48 @@ def test_selected_attention_matches_reference_and_numpy(B, h, G, H, P, c, n, dty
     assert not got[0, 0].any()
 
 
+@pytest.mark.parametrize("rows, want", [(33280, (128, 13)), (133120, (128, 16)), (1152, (128, 9)), (128, (128, 1)),
+                                        (48, (16, 3)), (100, None)])
+def test_decode_attention_splits_whole_blocks(rows, want):
+    """`bench decode`'s capacities at 32k and 128k, a short one, a tiny one, and one no block divides."""
+    from pallas_kernels.decode_attention import MAX_SPLITS, split_for
+
+    assert split_for(rows) == want
+    if want:
+        block, parts = want
+        assert rows % (block * parts) == 0 and parts <= MAX_SPLITS
+
+
+@pytest.mark.parametrize("B, K, G, S, H, dtype", [(2, 2, 3, 512, 64, jnp.float32), (1, 4, 4, 1152, 128, jnp.bfloat16)])
+def test_decode_attention_matches_reference_and_numpy(B, K, G, S, H, dtype):
+    """JAX's flash-decoding kernel as `kernels.decode_attention` runs it (compiled on a CUDA GPU, else interpret
+    mode), over ragged lengths (one inside the first part of the rows, one across parts, one at the capacity),
+    against a NumPy softmax per query head and against XLA's form (`attention.decode_attention`)."""
+    from clusterkv_jax import attention, kernels
+    from pallas_kernels.decode_attention import decode_attention_reference
+
+    rng = np.random.default_rng(S + G)
+    q = jnp.asarray(rng.standard_normal((B, K * G, H)), dtype)
+    k, v = (jnp.asarray(rng.standard_normal((B, K, S, H)), dtype) for _ in range(2))
+    lengths = np.array([37, S][:B] if B > 1 else [S // 2 + 5], np.int32)
+    got = np.asarray(kernels.decode_attention(q, k, v, jnp.asarray(lengths), impl=triton_mode()))
+    xla = np.asarray(attention.decode_attention(q, k, v, jnp.asarray(lengths)))
+    ref = np.asarray(decode_attention_reference(q.reshape(B, K, G, H), k, v,
+                                                jnp.asarray(np.repeat(lengths[:, None], K, 1)))).reshape(B, K * G, H)
+    qn, kn, vn = (np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v))
+    want = np.zeros((B, K * G, H))
+    for b in range(B):
+        for n in range(K * G):
+            s = kn[b, n // G, : lengths[b]] @ qn[b, n] / np.sqrt(H)
+            p = np.exp(s - s.max())
+            want[b, n] = (p / p.sum()) @ vn[b, n // G, : lengths[b]]
+    assert got.shape == (B, K * G, H) and got.dtype == np.float32
+    # bfloat16: the probabilities and the parts' partial outputs are rounded to it (8 bits) before the last sums.
+    tol = 2e-2 if dtype == jnp.bfloat16 else (2e-3 if jax.default_backend() == "gpu" else 2e-5)
+    for name, x in (("kernel", got), ("xla", xla), ("reference", ref)):
+        np.testing.assert_allclose(x, want, rtol=tol, atol=tol, err_msg=name)
+
+
 # ------------------------------------------------------------------------------------------------------ dispatch
 
 
@@ -472,11 +514,12 @@ def test_kernel_modes_resolve_in_one_place():
         resolve("auto", "attention")
     # "auto" on a CUDA GPU: the kernel or the reference, whichever was faster on an H200, op by op.
     with dispatch.compile_for(_fake_device("gpu", "9.0")):
-        assert [resolve("auto", op) for op in kernels.OPS] == ["reference", "pallas", "pallas", "reference"]
-        assert [resolve("pallas", op) for op in kernels.OPS] == ["pallas"] * 4
-        assert [resolve("reference", op) for op in kernels.OPS] == ["reference"] * 4
+        assert [resolve("auto", op) for op in kernels.OPS] == ["reference", "pallas", "reference", "pallas",
+                                                               "reference"]
+        assert [resolve("pallas", op) for op in kernels.OPS] == ["pallas"] * 5
+        assert [resolve("reference", op) for op in kernels.OPS] == ["reference"] * 5
     with dispatch.compile_for(_fake_device("tpu")):
-        assert [resolve("auto", op) for op in kernels.OPS] == ["tpu"] * 4
+        assert [resolve("auto", op) for op in kernels.OPS] == ["tpu"] * 5
 
 
 def test_on_tpu_clusterkv_runs_the_mosaic_kernels(monkeypatch):
@@ -533,6 +576,7 @@ def test_check_lowering_for_cuda_and_tpu():
     assert sum("cluster_to_block_index" in line for line in cuda) == 2
     assert sum(line.startswith("selected_attention ") for line in cuda) == 4
     assert sum(line.startswith("kmeans_assign ") for line in cuda) == 4
+    assert sum(line.startswith("decode_attention ") for line in cuda) == 2
     assert sum(line.startswith("centroid_update_tpu ") for line in tpu) == 4
     assert sum(line.startswith("cluster_to_block_index_tpu ") for line in tpu) == 2
     assert sum(line.startswith("selected_attention_tpu ") for line in tpu) == 4
