@@ -209,15 +209,42 @@ def _lloyd(x, valid, num_clusters, init_directions, max_iters: int, impl: str, t
     return KMeansResult(labels, centroids, counts.astype(jnp.int32), directions, it)
 
 
+def _draws(rngs: jax.Array, N: int) -> jax.Array:
+    """One uniform draw per position [P, N] from one PRNG key per problem (rngs [P, 2])."""
+    # float32 draws also under JAX_ENABLE_X64, so the seeds do not change with it.
+    return map_leading(lambda r: jax.random.uniform(r, (N,), jnp.float32), rngs.ndim - 1)(rngs)
+
+
 def init_random(keys: jax.Array, valid: jax.Array, C: int, rngs: jax.Array) -> jax.Array:
-    """C distinct valid keys per problem, uniformly at random: [P, C, H]. Needs C <= N.
+    """C distinct valid keys per problem, uniformly at random: [P, C, H]: the C largest of one uniform draw per
+    position among the valid keys, then, where fewer are valid, the others by the smallest draw (ties to the lower
+    position). Needs C <= N.
 
     rngs holds one PRNG key per problem [P, 2], so a problem's seeds do not depend on the batch around it.
     """
-    N = keys.shape[-2]
-    # float32 draws also under JAX_ENABLE_X64, so the seeds do not change with it.
-    u = map_leading(lambda r: jax.random.uniform(r, (N,), jnp.float32), rngs.ndim - 1)(rngs)  # [P, N]
+    u = _draws(rngs, keys.shape[-2])
     idx = top_k_indices(jnp.where(valid, u, -1.0 - u), C)  # valid keys first, in random order
+    return jnp.take_along_axis(keys.astype(jnp.float32), idx[..., None], axis=-2)
+
+
+def random_order(rngs: jax.Array, N: int) -> jax.Array:
+    """Each problem's N positions [P, N] in descending order of one uniform draw per position (`init_random`'s
+    draws; ties to the lower position). It reads neither the keys nor which are valid, so the layers of an unrolled
+    program that share their PRNG keys share it (`cosine_kmeans`: one sort for them all)."""
+    return top_k_indices(_draws(rngs, N), N)
+
+
+def seeds_in_order(keys: jax.Array, valid: jax.Array, order: jax.Array, C: int) -> jax.Array:
+    """`init_random`'s seeds from its draws' order ([P, N], `random_order`): the first C valid keys [P, C, H]
+    (float32) in it, then, where fewer are valid, the invalid ones from its end (ties among those in the other
+    order: seeds of clusters no problem uses). A compaction of the order, no sort."""
+    taken = jnp.take_along_axis(valid, order, axis=-1)  # [P, N]
+    count, skipped = jnp.cumsum(taken, axis=-1), jnp.cumsum(~taken, axis=-1)
+    slot = jnp.where(taken, count - 1, count[..., -1:] + skipped[..., -1:] - skipped)  # a permutation of [0, N)
+    N = order.shape[-1]
+    flat = order.reshape(-1, N)
+    idx = jnp.zeros_like(flat).at[jnp.arange(flat.shape[0])[:, None], slot.reshape(-1, N)].set(flat)
+    idx = idx.reshape(order.shape)[..., :C]
     return jnp.take_along_axis(keys.astype(jnp.float32), idx[..., None], axis=-2)
 
 
@@ -281,9 +308,16 @@ def cosine_kmeans(
     if counts is not None and counts.size and (counts.min() < 1 or counts.max() > max_clusters):
         raise ValueError(f"num_clusters must be in [1, max_clusters={max_clusters}] for every problem, got "
                          f"{counts.tolist() if counts.size <= 8 else (counts.min(), counts.max())}")
+    # Where the layers are unrolled (a GPU's loop), the random initialisation's order is made from the PRNG keys alone,
+    # before the layer's own values: layers that share their keys (ClusterKV's prompt layers) share it, one sort
+    # where XLA:GPU compiles one per layer (docs/research_log.md, "XLA:GPU compiles every sort anew"). A scanned loop
+    # has one body for all its layers; there a top_k of the seeds alone costs less than the whole order (XLA:CPU,
+    # 3 x 8192 draws: 0.2 against 6 ms).
+    shared = init == "random" and kernels.layer_loop() == "unrolled"
+    order = random_order(rngs, keys.shape[-2]) if shared else None
     # Every layer's K-means starts from the same constant PRNG keys: values of its own (`kernels.layer_values`).
-    keys, valid, num_clusters, rngs = kernels.layer_values(keys, valid, num_clusters, rngs)
-    return _cosine_kmeans(keys, valid, num_clusters, rngs, max_clusters=max_clusters, max_iters=max_iters,
+    keys, valid, num_clusters, rngs, order = kernels.layer_values(keys, valid, num_clusters, rngs, order)
+    return _cosine_kmeans(keys, valid, num_clusters, rngs, order, max_clusters=max_clusters, max_iters=max_iters,
                           init=init, impl=impl, tol=tol, assign_impl=assign_impl,
                           fixed_iterations=kernels.branches_wait_for_host() if fixed_iterations is None
                           else bool(fixed_iterations))
@@ -291,10 +325,12 @@ def cosine_kmeans(
 
 @functools.partial(jax.jit, static_argnames=("max_clusters", "max_iters", "init", "impl", "tol", "assign_impl",
                                              "fixed_iterations"))
-def _cosine_kmeans(keys, valid, num_clusters, rngs, *, max_clusters: int, max_iters: int, init: str, impl: str,
-                   tol: float, assign_impl: str, fixed_iterations: bool) -> KMeansResult:
+def _cosine_kmeans(keys, valid, num_clusters, rngs, order, *, max_clusters: int, max_iters: int, init: str,
+                   impl: str, tol: float, assign_impl: str, fixed_iterations: bool) -> KMeansResult:
     keys, valid = _finite_keys(keys, valid)
-    if init == "random":
+    if init == "random" and order is not None:
+        directions = seeds_in_order(keys, valid, order, max_clusters)
+    elif init == "random":
         directions = init_random(keys, valid, max_clusters, rngs)
     else:
         directions = init_kmeans_plus_plus(keys, valid, max_clusters, rngs)

@@ -77,6 +77,33 @@ def test_matches_numpy_reference_from_same_init(C, max_iters):
         assert np.all(np.asarray(got.sizes[p])[num[p]:] == 0), "clusters beyond num_clusters stay empty"
 
 
+@pytest.mark.parametrize("C", [5, 40, 90])  # 90: more seeds than some problems' valid keys
+@pytest.mark.parametrize("nonfinite", [False, True])
+def test_random_seeds_are_the_first_valid_keys_of_one_random_order(C, nonfinite):
+    """K-means' random seeds, against NumPy: each problem's C valid keys with the largest of one uniform draw per
+    position (the same draws: `problem_keys`), largest first, ties to the lower position, then, where fewer are
+    valid, the others by the smallest draw. Both ways: `init_random` (a top_k of the seeds, a scanned loop's) and
+    `seeds_in_order` over the draws' whole order (`random_order`, made from the draws alone: what `cosine_kmeans`
+    shares between the layers of an unrolled loop); keys holding a NaN or inf (masked by `_finite_keys`) are left
+    out alike."""
+    from clusterkv_jax.kmeans import _finite_keys, random_order, seeds_in_order
+
+    keys, valid = _problems(P=4, N=120, H=8, seed=3)
+    if nonfinite:
+        keys[0, 10:30, 2] = np.nan
+        keys[3, ::7, 0] = np.inf
+    rngs = problem_keys(jax.random.PRNGKey(5), 4)
+    x, counted = (np.asarray(a) for a in _finite_keys(jnp.asarray(keys), jnp.asarray(valid)))
+    u = np.stack([np.asarray(jax.random.uniform(r, (120,), jnp.float32)) for r in rngs])
+    got = np.asarray(seeds_in_order(jnp.asarray(x), jnp.asarray(counted), random_order(rngs, 120), C))
+    np.testing.assert_array_equal(got, np.asarray(init_random(jnp.asarray(x), jnp.asarray(counted), C, rngs)))
+    for p in range(4):
+        score = np.where(counted[p], u[p], -1.0 - u[p])
+        want = np.argsort(-score, kind="stable")[:C]
+        np.testing.assert_array_equal(got[p], x[p, want])
+        assert np.all(np.isfinite(got[p]))
+
+
 def test_objective_never_increases():
     keys, valid = _problems(P=3, N=400, H=8, seed=1)
     init = init_random(jnp.asarray(keys), jnp.asarray(valid), 16, problem_keys(jax.random.PRNGKey(0), 3))
