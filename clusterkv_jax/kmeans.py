@@ -241,10 +241,9 @@ def seeds_in_order(keys: jax.Array, valid: jax.Array, order: jax.Array, C: int) 
     taken = jnp.take_along_axis(valid, order, axis=-1)  # [P, N]
     count, skipped = jnp.cumsum(taken, axis=-1), jnp.cumsum(~taken, axis=-1)
     slot = jnp.where(taken, count - 1, count[..., -1:] + skipped[..., -1:] - skipped)  # a permutation of [0, N)
-    N = order.shape[-1]
-    flat = order.reshape(-1, N)
-    idx = jnp.zeros_like(flat).at[jnp.arange(flat.shape[0])[:, None], slot.reshape(-1, N)].set(flat)
-    idx = idx.reshape(order.shape)[..., :C]
+    # One scatter per problem, vmapped: flattening the problems' dims into one would merge dims that a mesh shards
+    # apart (batch, KV heads) and gather them.
+    idx = map_leading(lambda o, s: jnp.zeros_like(o).at[s].set(o), order.ndim - 1)(order, slot)[..., :C]
     return jnp.take_along_axis(keys.astype(jnp.float32), idx[..., None], axis=-2)
 
 
