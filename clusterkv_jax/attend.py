@@ -61,6 +61,8 @@ class Prefill:
     lengths: jax.Array
     capacity: int
     cap: float | None = None  # scores soft-capped (`attention.softcap`)
+    #: False: the selecting layers' K/V are stored in position order, for `index_prompt` after the layers.
+    index: bool = True
 
     def attend(self, group, i, store, state, q, k, v):
         """-> (causal attention [B, T, N, H] (`kernels.prompt_attention`), store, state, None)."""
@@ -72,8 +74,11 @@ class Prefill:
             return (kernels.prompt_attention(q, k, v, block=PREFILL_BLOCK, window=W, cap=self.cap), store, state,
                     None)
         state = observe_prompt_queries(self.policy, group, state, q, 0, self.lengths)
-        store, state = write_prompt_layer(self.policy, group, store, state, i, k_rows, v_rows, self.lengths,
-                                          self.capacity)
+        if self.index or not group.selecting:
+            store, state = write_prompt_layer(self.policy, group, store, state, i, k_rows, v_rows, self.lengths,
+                                              self.capacity)
+        else:
+            store = store.write_prompt(i, k_rows, v_rows)
         return kernels.prompt_attention(q, k, v, block=PREFILL_BLOCK, cap=self.cap), store, state, None
 
 
@@ -192,21 +197,21 @@ def layer_scope(layers):
     return jax.named_scope(f"layer{layers[0]}" if len(layers) == 1 else f"layers{layers[0]}-{layers[-1]}")
 
 
-def write_prompt_layer(policy, group, store, state, i, k_rows, v_rows, lengths, capacity: int):
+def write_prompt_layer(policy, group, store, state, i, k_rows, v_rows, lengths, capacity: int, indexed: bool = False):
     """What prefill does with layer i of `group` once its K/V are computed: in a selecting group, let the policy
-    index the keys; store the prompt's K/V [B, K, T, H] as rows [0, T), or where the policy's layout puts each
-    position (`prompt_rows`). Returns (store, state)."""
+    index the keys (unless `indexed`: the state has indexed them already); store the prompt's K/V [B, K, T, H] as
+    rows [0, T), or where the policy's layout puts each position (`prompt_rows`). Returns (store, state)."""
     if not group.selecting:
         return store.write_prompt(i, k_rows, v_rows), state
     T = k_rows.shape[2]
     pad = ((0, 0), (0, 0), (0, capacity - T), (0, 0))
-    with jax.named_scope("index"):
-        # The policy sees this layer's keys [B, K, S, H] (rows >= lengths are padding), in the store's dtype.
-        keys = jnp.pad(k_rows.astype(store.k.dtype), pad)
-        state = policy.after_prefill(*kernels.layer_values(state, keys, lengths))
+    keys = jnp.pad(k_rows.astype(store.k.dtype), pad)
+    if not indexed:
+        with jax.named_scope("index"):
+            state = _index_keys(policy, state, keys, lengths)
     layout = policy.prompt_rows(state)  # [B, K, R] position of each row, or None: row = position
-    if layout is None:
-        return store.write_prompt(i, k_rows, v_rows), state
+    if layout is None:  # (`indexed`: the rows are in the store in position order already)
+        return (store if indexed else store.write_prompt(i, k_rows, v_rows)), state
     with jax.named_scope("layout"):
         held = (layout >= 0)[..., None]
         rows = jnp.clip(layout, 0, capacity - 1)[..., None]
@@ -215,9 +220,64 @@ def write_prompt_layer(policy, group, store, state, i, k_rows, v_rows, lengths, 
     return store.write_layer(i, k, v), state
 
 
+def _index_keys(policy, state, keys, lengths):
+    """A selecting layer's state after the policy indexed its prompt keys [B, K, S, H] (rows >= lengths are
+    padding), in the store's dtype."""
+    return policy.after_prefill(*kernels.layer_values(state, keys, lengths))
+
+
+def indexed_in_one_loop(groups) -> bool:
+    """Whether one loop over the selecting layers indexes them all, each step reading its layer's keys out of that
+    layer's store (`lax.switch`): where each is a group of its own in device memory (a GPU's unrolled layer loop,
+    `cache.plan_layers`). A prefill then stores their prompts in position order and indexes them after the layers
+    (`index_prompt`); a decode step indexes their windows so (`index_windows`). Indexed layer by layer, every
+    layer's K-means and layout sort were kernels of their own, and XLA:GPU compiles every sort anew: 30 layout sorts,
+    most of the 47 s a 32-layer ClusterKV prefill took to compile for an H100 (docs/research_log.md)."""
+    picked = [group for group in groups if group.selecting]
+    kinds = {(jax.tree.structure(group.state), *((x.shape, x.dtype) for x in jax.tree.leaves((group.state,
+                                                                                              group.store))))
+             for group in picked}
+    return (kernels.layer_loop() == "unrolled" and len(picked) > 1 and len(kinds) == 1
+            and all(group.num_layers == 1 and not group.store.on_host for group in picked))
+
+
 def index_prompt(policy, groups, lengths: jax.Array, capacity: int, prompt: int):
-    """After a chunked prefill: the selecting groups' layers indexed and laid out from their stored prompt rows
-    [0, prompt), as `Prefill` does after a layer's K/V. Returns the groups."""
+    """After a chunked prefill, or one that left it for later (`indexed_in_one_loop`): the selecting
+    groups' layers indexed and laid out from their stored prompt rows [0, prompt), as `Prefill` does after a
+    layer's K/V. Returns the groups.
+
+    A group's layers are indexed in a loop over them. Where each selecting layer is a group of its own
+    (`indexed_in_one_loop`), one loop indexes them all: each step copies its layer's prompt keys out of that
+    layer's store (`lax.switch`), so no array holds every layer's keys at once; then each layer is laid out."""
+    pad = ((0, 0), (0, 0), (0, capacity - prompt), (0, 0))
+    if indexed_in_one_loop(groups):
+        picked = [j for j, group in enumerate(groups) if group.selecting]
+        branches = [lambda j=j: groups[j].store.layer(0).keys()[:, :, :prompt] for j in picked]
+
+        def index(xs):
+            n, state = xs
+            return _index_keys(policy, state, jnp.pad(jax.lax.switch(n, branches), pad), lengths)
+
+        states = jax.tree.map(lambda *x: jnp.concatenate(x), *(groups[j].state for j in picked))
+        with jax.named_scope("index"):
+            states = jax.lax.map(index, (jnp.arange(len(picked)), states))
+        groups = list(groups)
+        done = None  # the last layer laid out
+        for n, j in enumerate(picked):
+            group = groups[j]
+            # Laid out in place, a layer needs its rows twice for a moment (a gather out of the store it writes):
+            # one layer after another, so one layer's copy is alive at a time, not the scheduler's choice of them.
+            if done is not None:
+                group = group.replace(store=jax.lax.optimization_barrier((done, group.store))[1])
+            view = group.store.layer(0)
+            with layer_scope(group.layers):
+                store, state = write_prompt_layer(policy, group, group.store, jax.tree.map(lambda x: x[n], states), 0,
+                                                  view.keys()[:, :, :prompt], view.values()[:, :, :prompt], lengths,
+                                                  capacity, indexed=True)
+            groups[j] = group.replace(store=store, state=jax.tree.map(lambda x: x[None], state))
+            done = store
+        return tuple(groups)
+
     def index(group):
         def body(store, xs):
             i, state = xs
@@ -306,6 +366,19 @@ def index_windows(policy, groups, lengths: jax.Array, prompt_lengths: jax.Array,
     dues = tuple(jax.vmap(lambda s: policy.recent_due(s, lengths))(state) for state in states)  # [n, B] each
 
     def index_all(states):  # what each layer's indexing adds, stacked per group
+        if indexed_in_one_loop(groups):
+            def reader(j):  # layer j's window keys, from its store
+                return lambda state: window_keys(policy, state, groups[j].store.layer(0, capacity), lengths,
+                                                 prompt_lengths)()
+
+            def index_layer(xs):
+                n, state, due = xs
+                keys = functools.partial(jax.lax.switch, n, [reader(j) for j in picked], state)
+                return policy.index_due(*kernels.layer_values(state, keys, due, prompt_lengths))
+
+            stacked = jax.tree.map(lambda *x: jnp.concatenate(x), *states)
+            added = jax.lax.map(index_layer, (jnp.arange(len(picked)), stacked, jnp.concatenate(dues)))
+            return tuple(jax.tree.map(lambda x: x[n:n + 1], added) for n in range(len(picked)))
         out = []
         for j, state, due in zip(picked, states, dues):
             store = groups[j].store

@@ -492,8 +492,11 @@ def forward_prefill(
         groups = attend_module.index_prompt(policy, groups, lengths, S, T)
     else:
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        later = attend_module.indexed_in_one_loop(cache.groups)  # a GPU's: one loop indexes them all
         x, groups = _run_layers(params, config, cache, _embed(params, config, tokens), positions, lengths,
-                                attend_module.Prefill(policy, lengths, S, config.attn_logit_softcapping))
+                                attend_module.Prefill(policy, lengths, S, config.attn_logit_softcapping, not later))
+        if later:
+            groups = attend_module.index_prompt(policy, groups, lengths, S, T)
     if all_logits:
         logits = _logits(params, config, x)
     else:

@@ -613,6 +613,35 @@ def test_generate_with_prefill_chunks_gives_the_same_tokens():
         generate(model, prompt, 4, policy=policy, max_length=4096, prefill_chunk=300)
 
 
+@pytest.mark.parametrize("policy", [ClusterKV(budget=64, **SMALL), Quest(budget=64), SnapKV(budget=64)],
+                         ids=lambda p: p.name)
+def test_a_gpus_loop_indexes_all_selecting_layers_in_one_loop(policy):
+    """In a GPU's unrolled layer loop each selecting layer is a group of its own, and one loop over them indexes
+    them all (`attend.indexed_in_one_loop`): a prefill, whole or chunked, stores their prompts in position order and
+    indexes them after the layers (`index_prompt`), and a decode step indexes their windows in one loop
+    (`index_windows`). The policy states after prefill, per selecting layer, equal the scanned loop's, where each
+    layer indexes inside the loop; and the tokens of a generation that indexes two windows are the same."""
+    from clusterkv_jax import attend, kernels
+
+    model = Model(CFG, PARAMS, tokenizer=None)
+    ids = np.random.default_rng(8).integers(0, CFG.vocab_size, (1, 1024))
+    results = {}
+    for loop in kernels.LAYER_LOOPS:
+        with kernels.forced_layer_loop(loop):
+            assert attend.indexed_in_one_loop(init_cache(CFG, policy, 1, 1024).groups) == (loop == "unrolled")
+            for chunk in (None, 512):
+                _, cache = prefill(PARAMS, jnp.asarray(ids), jnp.array([1000]), init_cache(CFG, policy, 1, 1024),
+                                   config=CFG, policy=policy, chunk=chunk)
+                tokens = generate(model, ids[0, :1000].tolist(), 40, policy=policy, stop_at_eos=False,
+                                  max_length=4096, prefill_chunk=chunk).tokens
+                results[loop, chunk] = jax.tree.leaves(jax.tree.map(np.asarray, cache.policy_state)), tokens
+    (want_state, want_tokens) = results["scanned", None]
+    for key, (state, tokens) in results.items():
+        assert tokens == want_tokens, key
+        for got, want in zip(state, want_state, strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=str(key))
+
+
 @pytest.mark.parametrize("make", [
     lambda: ClusterKV(budget=512.0), lambda: ClusterKV(tokens_per_cluster=1.5), lambda: ClusterKV(sinks=True),
     lambda: ClusterKV(kmeans_tol=float("nan")), lambda: ClusterKV(max_iters="11"),
