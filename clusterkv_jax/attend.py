@@ -74,7 +74,7 @@ class Prefill:
             return (kernels.prompt_attention(q, k, v, block=PREFILL_BLOCK, window=W, cap=self.cap), store, state,
                     None)
         state = observe_prompt_queries(self.policy, group, state, q, 0, self.lengths)
-        if self.index or not group.selecting:
+        if self.index:
             store, state = write_prompt_layer(self.policy, group, store, state, i, k_rows, v_rows, self.lengths,
                                               self.capacity)
         else:
@@ -234,11 +234,24 @@ def indexed_in_one_loop(groups) -> bool:
     layer's K-means and layout sort were kernels of their own, and XLA:GPU compiles every sort anew: 30 layout sorts,
     most of the 47 s a 32-layer ClusterKV prefill took to compile for an H100 (docs/research_log.md)."""
     picked = [group for group in groups if group.selecting]
-    kinds = {(jax.tree.structure(group.state), *((x.shape, x.dtype) for x in jax.tree.leaves((group.state,
-                                                                                              group.store))))
-             for group in picked}
-    return (kernels.layer_loop() == "unrolled" and len(picked) > 1 and len(kinds) == 1
+    return (kernels.layer_loop() == "unrolled" and len(picked) > 1
             and all(group.num_layers == 1 and not group.store.on_host for group in picked))
+
+
+def _in_one_loop(groups, states, read, index, *xs):
+    """index(keys, state, *x) for every selecting layer of `groups` (`indexed_in_one_loop`), in one `lax.map`:
+    keys() reads that layer's keys (`read(group, state)`) out of its own store by a `lax.switch`, so no array holds
+    every layer's keys at once. states and each of xs: a tuple with an entry [1, ...] per selecting layer. Returns
+    the results stacked over those layers [n, ...]."""
+    picked = [group for group in groups if group.selecting]
+    readers = [functools.partial(read, group) for group in picked]
+
+    def step(args):
+        n, state, *x = args
+        return index(functools.partial(jax.lax.switch, n, readers, state), state, *x)
+
+    stack = lambda parts: jax.tree.map(lambda *p: jnp.concatenate(p), *parts)  # noqa: E731
+    return jax.lax.map(step, (jnp.arange(len(picked)), stack(states), *(stack(x) for x in xs)))
 
 
 def index_prompt(policy, groups, lengths: jax.Array, capacity: int, prompt: int):
@@ -252,15 +265,10 @@ def index_prompt(policy, groups, lengths: jax.Array, capacity: int, prompt: int)
     pad = ((0, 0), (0, 0), (0, capacity - prompt), (0, 0))
     if indexed_in_one_loop(groups):
         picked = [j for j, group in enumerate(groups) if group.selecting]
-        branches = [lambda j=j: groups[j].store.layer(0).keys()[:, :, :prompt] for j in picked]
-
-        def index(xs):
-            n, state = xs
-            return _index_keys(policy, state, jnp.pad(jax.lax.switch(n, branches), pad), lengths)
-
-        states = jax.tree.map(lambda *x: jnp.concatenate(x), *(groups[j].state for j in picked))
         with jax.named_scope("index"):
-            states = jax.lax.map(index, (jnp.arange(len(picked)), states))
+            states = _in_one_loop(groups, [groups[j].state for j in picked],
+                                  lambda group, state: group.store.layer(0).keys()[:, :, :prompt],
+                                  lambda keys, state: _index_keys(policy, state, jnp.pad(keys(), pad), lengths))
         groups = list(groups)
         done = None  # the last layer laid out
         for n, j in enumerate(picked):
@@ -367,17 +375,11 @@ def index_windows(policy, groups, lengths: jax.Array, prompt_lengths: jax.Array,
 
     def index_all(states):  # what each layer's indexing adds, stacked per group
         if indexed_in_one_loop(groups):
-            def reader(j):  # layer j's window keys, from its store
-                return lambda state: window_keys(policy, state, groups[j].store.layer(0, capacity), lengths,
-                                                 prompt_lengths)()
-
-            def index_layer(xs):
-                n, state, due = xs
-                keys = functools.partial(jax.lax.switch, n, [reader(j) for j in picked], state)
-                return policy.index_due(*kernels.layer_values(state, keys, due, prompt_lengths))
-
-            stacked = jax.tree.map(lambda *x: jnp.concatenate(x), *states)
-            added = jax.lax.map(index_layer, (jnp.arange(len(picked)), stacked, jnp.concatenate(dues)))
+            added = _in_one_loop(
+                groups, states, lambda group, state: window_keys(policy, state, group.store.layer(0, capacity), lengths,
+                                                         prompt_lengths)(),
+                lambda keys, state, due: policy.index_due(*kernels.layer_values(state, keys, due, prompt_lengths)),
+                dues)
             return tuple(jax.tree.map(lambda x: x[n:n + 1], added) for n in range(len(picked)))
         out = []
         for j, state, due in zip(picked, states, dues):
