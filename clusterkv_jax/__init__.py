@@ -101,8 +101,9 @@ if not os.environ.get("CLUSTERKV_KEEP_XLA_FLAGS"):
 
 from clusterkv_jax.cache import KVCache, init_cache, kv_bytes, layer_kv_bytes  # noqa: E402
 from clusterkv_jax.config import ModelConfig, RopeScaling  # noqa: E402
-from clusterkv_jax.generate import (GenerationInterrupted, GenerationResult, decode_step, generate,  # noqa: E402
-                                    prefill, sample_tokens)
+from clusterkv_jax.generate import GenerationInterrupted, GenerationResult, generate  # noqa: E402
+from clusterkv_jax.sampling import sample_tokens  # noqa: E402
+from clusterkv_jax.steps import decode_step, prefill  # noqa: E402
 from clusterkv_jax.loading import Model, load_model  # noqa: E402
 from clusterkv_jax.policies import (ClusterKV, ClusterKVPaper, FullKV, InfiniGen, KVPolicy, OracleTopK, Quest,  # noqa: E402
                                     SnapKV, StreamingLLM)

@@ -195,7 +195,7 @@ def target_cache(config, policy, *, device, batch: int, context: int, decode_roo
     `generate` sizes them (`cache_capacity`), laid out for `device` (a GPU's holds each layer in a group of its
     own: `cache.plan_layers`)."""
     from clusterkv_jax.cache import init_cache
-    from clusterkv_jax.generate import cache_capacity
+    from clusterkv_jax.steps import cache_capacity
     from pallas_kernels.dispatch import compile_for
 
     with compile_for(device):
@@ -204,13 +204,13 @@ def target_cache(config, policy, *, device, batch: int, context: int, decode_roo
 
 def model_programs(config, policies: dict, *, device, batch: int, context: int, decode_room: int = 64,
                    dtype=jnp.bfloat16, prefill: tuple[str, ...] = (), index: tuple[str, ...] = ()) -> list[Compiled]:
-    """Compiles `generate.decode_step` for each named policy as `generate`'s decode loop runs it (`index=False`:
+    """Compiles `steps.decode_step` for each named policy as `generate`'s decode loop runs it (`index=False`:
     the windows of generated tokens are indexed between runs of steps, once per `window_size` steps; a cache of
     `context + decode_room` tokens, sized as `generate` sizes it: `cache_capacity`), for the names in `index` the
-    program that indexes them between steps (`generate.index_due_windows`: ClusterKV's decode-time K-means), and
-    `generate.prefill` of a `context`-token prompt for the names in `prefill`."""
-    from clusterkv_jax.generate import decode_step, index_due_windows
-    from clusterkv_jax.generate import prefill as prefill_step
+    program that indexes them between steps (`steps.index_due_windows`: ClusterKV's decode-time K-means), and
+    `steps.prefill` of a `context`-token prompt for the names in `prefill`."""
+    from clusterkv_jax.steps import decode_step, index_due_windows
+    from clusterkv_jax.steps import prefill as prefill_step
     from clusterkv_jax.model import for_device, init_params
     from pallas_kernels.dispatch import compile_for
 

@@ -501,8 +501,8 @@ def attend_selected(policy, state, q: jax.Array, view, lengths: jax.Array, promp
 
     if whole_store and tiles_for(view, selection) > 1:
         # A platform choice at lowering: tiles are for a CPU's cache; elsewhere a loop only serializes the work.
-        out = jax.lax.platform_dependent(cpu=lambda: attend_tiled(q, view, selection, W, ring_mask, cap),
-                                         default=lambda: gathered(view)[0])
+        out = kernels.by_platform(cpu=lambda: attend_tiled(q, view, selection, W, ring_mask, cap),
+                                  default=lambda: gathered(view)[0])
         return out, view
     return gathered(view)
 

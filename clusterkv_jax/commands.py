@@ -475,7 +475,7 @@ def attended_per_step(policy, config, prompt_length: int, max_new_tokens: int = 
     per kind of layer (`cache.layer_kinds`) in the cache `generate` sizes for the prompt and `max_new_tokens`, so
     windowed layers are named for what they are."""
     from clusterkv_jax.cache import SELECTING, WINDOWED, layer_kinds
-    from clusterkv_jax.generate import bucket_length, cache_capacity
+    from clusterkv_jax.steps import bucket_length, cache_capacity
     from clusterkv_jax.policies import ClusterKV
 
     kinds = [k.attention for k in layer_kinds(config, policy, cache_capacity(bucket_length(prompt_length),

@@ -179,6 +179,26 @@ def layer_values(*args):
     return jax.tree.unflatten(tree, leaves)
 
 
+def written_when(due, write, operand):
+    """`write(operand)` where `due()` (a traced bool, computed on the CPU only) holds, else `operand`, for a write
+    that most steps skip and that changes nothing where it is not due (a layer's policy state after a step that
+    left it as it was, the window's rows on a step with none due). On the CPU a `lax.cond` skips it: XLA:CPU
+    updates the operand in place under the cond, and the write's gathers and scatters are a visible part of a
+    small model's step (docs/research_log.md). Elsewhere the write always runs: a conditional that returns its operand made XLA:GPU
+    copy it whole (a layer group's store on every layer of every step; docs/research_log.md, "Deviceless
+    compilation"). `lax.platform_dependent` picks at lowering: the compiler never sees both."""
+    return by_platform(operand, cpu=lambda o: jax.lax.cond(due(), write, lambda o: o, o), default=write)
+
+
+def by_platform(*operands, cpu=None, tpu=None, default):
+    """`cpu(*operands)`, `tpu(*operands)` or `default(*operands)` as the platform the program is lowered for: the
+    choices of a program's path that are not kernel ops meet here (`written_when`; the tiled selected attention
+    of a CPU's cache, `attend.attend_selected`; the host stores' row writes, `offload._write_rows`).
+    `lax.platform_dependent` picks at lowering, so a deviceless compile for a GPU or a TPU takes its own branch."""
+    branches = {name: fn for name, fn in (("cpu", cpu), ("tpu", tpu)) if fn is not None}
+    return jax.lax.platform_dependent(*operands, default=default, **branches)
+
+
 def _check(impl: str) -> None:
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"kernel implementation must be one of {', '.join(IMPLEMENTATIONS)}, got {impl!r}")

@@ -350,10 +350,9 @@ def _run_layer(params: Params, config: ModelConfig, step, cos_sin, x: jax.Array,
     """Model layer `index` (an int, or traced under a scan), the `i`-th layer of `group`: its weights and policy
     state taken from the stacks, it stores its K/V and attends through `step`. Returns x and the group updated.
 
-    The layer's policy state is written back only when the step says it changed (on the CPU, under a `lax.cond`):
-    most decode steps change no policy state, and writing every layer's state back each step is a visible part of
-    a small model's step on the CPU (docs/research_log.md). Elsewhere the write always runs: a conditional that
-    returns its operand may make XLA:GPU copy it whole."""
+    The layer's policy state is written back only when the step says it changed, where the platform skips writes
+    (`kernels.written_when`: the CPU): most decode steps change no policy state, and writing every layer's state
+    back each step is a visible part of a small model's step on the CPU (docs/research_log.md)."""
     if isinstance(params["layers"], dict):  # stacked: an int index is a static slice, a traced one a dynamic slice
         layer = jax.tree.map(lambda p: p[index], params["layers"])
     else:
@@ -368,8 +367,7 @@ def _run_layer(params: Params, config: ModelConfig, step, cos_sin, x: jax.Array,
     if changed is None:
         states = write(group.state)
     else:
-        states = jax.lax.platform_dependent(
-            group.state, cpu=lambda s: jax.lax.cond(changed, write, lambda s: s, s), default=write)
+        states = kernels.written_when(lambda: changed, write, group.state)
     return x, group.replace(store=store, state=states)
 
 

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import compute_on as _compute_on
 
-from clusterkv_jax import axes
+from clusterkv_jax import axes, kernels
 from clusterkv_jax.ops import gather_rows, multi_device_axes, per_kv_head, row_index, scatter_entries, scatter_rows
 from clusterkv_jax.selection import Selection
 from clusterkv_jax.store import KV_AXES, KVStore, LayerView
@@ -116,8 +116,7 @@ def _write_rows(store, layer, rows, values):
 
     if host_memory_kind() is None or multi_device_axes() is not None:
         return on_host(store, layer, rows, values)
-    return jax.lax.platform_dependent(store, layer, rows, values, cpu=on_host, tpu=_rewrite_planes,
-                                      default=_update_rows)
+    return kernels.by_platform(store, layer, rows, values, cpu=on_host, tpu=_rewrite_planes, default=_update_rows)
 
 
 def _update_rows(store, layer, rows, values):

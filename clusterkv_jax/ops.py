@@ -32,8 +32,8 @@ _SHARD_AXES: contextvars.ContextVar[ShardAxes | None] = contextvars.ContextVar("
 
 @contextlib.contextmanager
 def sharded_trace(axes: ShardAxes | None):
-    """While tracing under `axes` (set by `clusterkv_jax.generate` from its sharding rules), mesh-aware ops
-    pick their per-shard forms. With None, nothing changes."""
+    """While tracing under `axes` (set by `clusterkv_jax.steps.in_mesh_scope` from its sharding rules), mesh-aware
+    ops pick their per-shard forms. With None, nothing changes."""
     if axes is None:
         yield
         return

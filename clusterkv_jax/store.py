@@ -107,22 +107,10 @@ class LayerView:
         """Copies window rows [B, W] to rows dest [B, K, W] (out of range: nothing copied): a scatter of W rows per
         KV head, all dropped on a step with nothing due (m - 1 steps in m).
 
-        On the CPU the scatter runs under a `lax.cond` that skips it on those steps (`commit_window_if_due`):
-        XLA:CPU updates the store in place under the cond, and the unconditional scatter, with its gather of the
-        window's rows, is a visible part of a layer's step. Elsewhere it always runs: a conditional that returns
-        the store made XLA:GPU copy the layer group's whole store on every layer of every step (docs/research_log.md,
-        "Deviceless compilation"). `lax.platform_dependent` picks at lowering: the compiler never sees both."""
-        store = jax.lax.platform_dependent(
-            self.store,
-            cpu=lambda store: self.with_store(store).commit_window_if_due(rows, dest).store,
-            default=lambda store: self.with_store(store)._scatter_window(rows, dest).store)
-        return self.with_store(store)
-
-    def commit_window_if_due(self, rows, dest) -> "LayerView":
-        """`commit_window`'s scatter under a `lax.cond` that skips it when no destination is in range."""
+        On the CPU the scatter is skipped on those steps; elsewhere it always runs (`kernels.written_when`)."""
         R = self.store.k.shape[3]
-        store = jax.lax.cond(jnp.any(dest < R), lambda store: self.with_store(store)._scatter_window(rows, dest).store,
-                             lambda store: store, self.store)
+        store = kernels.written_when(lambda: jnp.any(dest < R),
+                                     lambda store: self.with_store(store)._scatter_window(rows, dest).store, self.store)
         return self.with_store(store)
 
     def _scatter_window(self, rows, dest) -> "LayerView":

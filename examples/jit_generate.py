@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import clusterkv_jax as ckv
-from clusterkv_jax.generate import bucket_length, cache_capacity
+from clusterkv_jax.steps import bucket_length, cache_capacity
 
 
 def greedy_loop(model, prompt: list[int], max_new_tokens: int, policy: ckv.KVPolicy) -> tuple[list[int], float]:

@@ -117,6 +117,6 @@ def tiny_hf_checkpoint(kind: str, tmp_path, dtype: str = "float32"):
 
 def generation_programs() -> int:
     """Programs `generate` has compiled so far (prefill + first token, and the decode loop)."""
-    from clusterkv_jax.generate import decode_generation, start_generation
+    from clusterkv_jax.decode_loop import decode_generation, start_generation
 
     return start_generation._cache_size() + decode_generation._cache_size()

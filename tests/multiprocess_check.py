@@ -127,8 +127,8 @@ def run(model_dir: str, out: str) -> None:
         import time
         import types
 
-        generate_module = sys.modules["clusterkv_jax.generate"]  # `clusterkv_jax.generate` is also the function
-        generate_module.time = types.SimpleNamespace(perf_counter=lambda: 1000 * time.perf_counter())
+        decode_loop = sys.modules["clusterkv_jax.decode_loop"]  # where `decode_in_chunks` reads the clock
+        decode_loop.time = types.SimpleNamespace(perf_counter=lambda: 1000 * time.perf_counter())
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, CONFIG["vocab_size"], n).tolist() for n in LENGTHS]
     model = load_model(model_dir, mesh=MESH)

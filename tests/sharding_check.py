@@ -21,7 +21,9 @@ from clusterkv_jax import ClusterKV, FullKV, InfiniGen, Quest, SnapKV, generate
 from clusterkv_jax import sharding as sh
 from clusterkv_jax.config import ModelConfig
 from clusterkv_jax.distributed import held_bytes
-from clusterkv_jax.generate import Sampling, decode_step, generate_ids, prefill
+from clusterkv_jax.decode_loop import generate_ids
+from clusterkv_jax.sampling import Sampling
+from clusterkv_jax.steps import decode_step, prefill
 from clusterkv_jax.loading import Model
 from clusterkv_jax.model import for_device, fuse_layer, init_params, unstack_layers
 from pallas_kernels import dispatch

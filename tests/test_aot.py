@@ -20,7 +20,7 @@ import pytest
 from clusterkv_jax import aot
 from clusterkv_jax.cache import init_cache
 from clusterkv_jax.config import synthetic_config
-from clusterkv_jax.generate import cache_capacity
+from clusterkv_jax.steps import cache_capacity
 from clusterkv_jax.policies import ClusterKV, FullKV, Quest
 
 # What these compile for an H100 or a TPU v5e is what users get: XLA's optimizations on (tests/conftest.py).

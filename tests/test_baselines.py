@@ -18,7 +18,8 @@ import pytest
 
 from clusterkv_jax.cache import KVCache, init_cache
 from clusterkv_jax.config import ModelConfig
-from clusterkv_jax.generate import decode_step, generate, prefill
+from clusterkv_jax.generate import generate
+from clusterkv_jax.steps import decode_step, prefill
 from clusterkv_jax.loading import Model
 from clusterkv_jax.model import apply_rope, init_params, rope_inv_freq
 from clusterkv_jax.policies import ClusterKV, FullKV, InfiniGen, OracleTopK, Quest, SnapKV, StreamingLLM

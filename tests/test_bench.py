@@ -20,7 +20,8 @@ from clusterkv_jax.bench.hf import HFDecoder, hf_model_from_params
 from clusterkv_jax.bench.roofline import step_bytes
 from clusterkv_jax.bench.synthetic import synthetic_kv, synthetic_prefill
 from clusterkv_jax.config import ModelConfig, synthetic_config
-from clusterkv_jax.generate import decode_step, generate
+from clusterkv_jax.generate import generate
+from clusterkv_jax.steps import decode_step
 from clusterkv_jax.loading import Model
 from clusterkv_jax.model import forward_prefill, init_params
 from clusterkv_jax.cache import init_cache

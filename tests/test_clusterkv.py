@@ -11,7 +11,10 @@ from hypothesis import strategies as st
 
 from clusterkv_jax.cache import init_cache
 from clusterkv_jax.config import ModelConfig
-from clusterkv_jax.generate import Sampling, decode_step, generate, generate_ids, prefill
+from clusterkv_jax.decode_loop import generate_ids
+from clusterkv_jax.generate import generate
+from clusterkv_jax.sampling import Sampling
+from clusterkv_jax.steps import decode_step, prefill
 from clusterkv_jax.loading import Model
 from clusterkv_jax.model import init_params
 from clusterkv_jax.policies import FullKV, Quest, SnapKV
@@ -214,7 +217,7 @@ def test_generate_indexes_between_steps_what_each_step_would_index(policy):
     layer's due windows between runs of them (`attend.steps_until_due`): the tokens and the final cache (clusters or
     pages, the store's rows) equal those of `decode_step` stepping one token at a time, which indexes inside each
     step. Ragged prompts, 50 tokens: several windows of 16 (ClusterKV) or pages of 8 (Quest)."""
-    from clusterkv_jax.generate import bucket_length, cache_capacity
+    from clusterkv_jax.steps import bucket_length, cache_capacity
 
     prompts, steps = [TOKENS[0, :150], TOKENS[1, :97], TOKENS[2, :61]], 50
     lengths = np.array([len(p) for p in prompts])
@@ -245,7 +248,7 @@ def test_generate_times_prefill_and_decode_apart_with_the_tokens_of_one_program(
     """`generate` runs prefill and decode as two programs, each compiled once before it runs and timed apart: the
     same tokens as `generate_ids` (one program), and compile + prefill + decode seconds make up the call's seconds;
     a second call compiles nothing."""
-    from clusterkv_jax.generate import bucket_length, cache_capacity, counting_compiles
+    from clusterkv_jax.steps import bucket_length, cache_capacity, counting_compiles
     from tests.helpers import generation_programs
 
     model = Model(CFG, PARAMS, tokenizer=None)

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 import clusterkv_jax as ckv  # noqa: E402
 from checkpoints_convert import convert_hf  # noqa: E402
-from clusterkv_jax.generate import bucket_length  # noqa: E402
+from clusterkv_jax.steps import bucket_length  # noqa: E402
 from tests.conftest import release_compiled_programs  # noqa: E402
 from tests.helpers import GGUF_GLOBAL, GGUF_NAMES  # noqa: E402
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from clusterkv_jax import generate, load_model, sample_tokens
-from clusterkv_jax.generate import Sampling
+from clusterkv_jax.sampling import Sampling
 from tests.helpers import generation_programs, long_text_ids
 
 

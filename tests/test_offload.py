@@ -14,7 +14,8 @@ from clusterkv_jax.cache import init_cache, kv_bytes
 from clusterkv_jax.offload import HostKV
 from clusterkv_jax.store import Selection
 from clusterkv_jax.config import ModelConfig
-from clusterkv_jax.generate import decode_step, generate, prefill
+from clusterkv_jax.generate import generate
+from clusterkv_jax.steps import decode_step, prefill
 from clusterkv_jax.loading import Model
 from clusterkv_jax.model import init_params
 from clusterkv_jax.policies import ClusterKV, FullKV, Quest

@@ -43,7 +43,7 @@ def test_probe_hands_wrapped_policies_their_observation_windows():
 
     from clusterkv_jax.cache import init_cache
     from clusterkv_jax.eval.recall import RecallProbe
-    from clusterkv_jax.generate import prefill
+    from clusterkv_jax.steps import prefill
     from clusterkv_jax.policies import InfiniGen, SnapKV
 
     model = _model()

@@ -774,7 +774,7 @@ def test_ctrl_c_stops_a_long_generation_within_seconds_and_keeps_its_text(smollm
     import re
 
     from clusterkv_jax import generate, load_model
-    from clusterkv_jax.generate import INTERRUPT_SECONDS
+    from clusterkv_jax.decode_loop import INTERRUPT_SECONDS
 
     prompt = "The history of the kingdom, told year by year, from the first king onwards:"
     code, out, err, seconds, sent = _interrupted(

@@ -18,7 +18,7 @@ from clusterkv_jax.bench.measure import compiled, timed
 from clusterkv_jax.bench.synthetic import synthetic_kv
 from clusterkv_jax.cache import SELECTING, LayerGroup
 from clusterkv_jax.config import ModelConfig
-from clusterkv_jax.generate import bucket_length, cache_capacity
+from clusterkv_jax.steps import bucket_length, cache_capacity
 from clusterkv_jax.policies import KVPolicy
 from clusterkv_jax.store import DeviceKV
 

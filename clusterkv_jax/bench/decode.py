@@ -34,8 +34,9 @@ from clusterkv_jax.bench.synthetic import synthetic_kv, synthetic_prefill
 from clusterkv_jax.cache import SELECTING, KVCache, init_cache, kv_bytes, layer_kinds
 from clusterkv_jax.config import ModelConfig
 from clusterkv_jax.policies import make_policy
-from clusterkv_jax.generate import (INTERRUPT_SECONDS, Sampling, bucket_length, cache_capacity, decode_in_chunks,
-                                    decode_step, index_due_windows, prefill, start_generation)
+from clusterkv_jax.decode_loop import INTERRUPT_SECONDS, decode_in_chunks, start_generation
+from clusterkv_jax.sampling import Sampling
+from clusterkv_jax.steps import bucket_length, cache_capacity, decode_step, index_due_windows, prefill
 from clusterkv_jax.offload import hit_rates
 from clusterkv_jax.policies import FullKV, KVPolicy
 

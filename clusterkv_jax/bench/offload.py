@@ -14,7 +14,8 @@ import numpy as np
 
 from clusterkv_jax.bench.measure import timed
 from clusterkv_jax.cache import init_cache, kv_bytes
-from clusterkv_jax.generate import bucket_length, cache_capacity, generate, prefill
+from clusterkv_jax.generate import generate
+from clusterkv_jax.steps import bucket_length, cache_capacity, prefill
 from clusterkv_jax.offload import hit_rates
 from clusterkv_jax.policies import ClusterKV, FullKV
 

@@ -28,7 +28,7 @@ from clusterkv_jax.bench.measure import compiled, timed
 from clusterkv_jax.bench.report import plot_contexts
 from clusterkv_jax.cache import init_cache
 from clusterkv_jax.config import ModelConfig
-from clusterkv_jax.generate import bucket_length, cache_capacity, prefill
+from clusterkv_jax.steps import bucket_length, cache_capacity, prefill
 from clusterkv_jax.policies import KVPolicy
 
 #: Cache room past the prompt: what `generate` adds for the first new tokens; prefill does not depend on it.

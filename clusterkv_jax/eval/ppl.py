@@ -22,7 +22,7 @@ from clusterkv_jax.config import ModelConfig
 from clusterkv_jax.policies import make_policy
 from clusterkv_jax import sharding as sh
 from clusterkv_jax.distributed import to_host
-from clusterkv_jax.generate import bucket_length, cache_capacity, in_mesh_scope, pin_cache
+from clusterkv_jax.steps import bucket_length, cache_capacity, in_mesh_scope, pin_cache
 from clusterkv_jax.model import forward_decode, forward_prefill
 from clusterkv_jax.policies import FullKV
 from clusterkv_jax.policies.base import KVPolicy

@@ -27,7 +27,7 @@ from clusterkv_jax import axes
 from clusterkv_jax.attend import index_window
 from clusterkv_jax.cache import init_cache
 from clusterkv_jax.eval.report import json_safe
-from clusterkv_jax.generate import bucket_length, cache_capacity, decode_step, prefill
+from clusterkv_jax.steps import bucket_length, cache_capacity, decode_step, prefill
 from clusterkv_jax.policies import KVPolicy, make_policy
 
 
