@@ -99,6 +99,7 @@ if not os.environ.get("CLUSTERKV_KEEP_XLA_FLAGS"):
 
 
 
+from clusterkv_jax.attend import DecodeProbe  # noqa: E402
 from clusterkv_jax.cache import KVCache, init_cache, kv_bytes, layer_kv_bytes  # noqa: E402
 from clusterkv_jax.config import ModelConfig, RopeScaling  # noqa: E402
 from clusterkv_jax.generate import GenerationInterrupted, GenerationResult, generate  # noqa: E402
@@ -114,6 +115,7 @@ __all__ = [
     "__version__",
     "ClusterKV",
     "ClusterKVPaper",
+    "DecodeProbe",
     "FullKV",
     "InfiniGen",
     "OracleTopK",

@@ -48,6 +48,17 @@ PREFILL_BLOCK = 512
 GATHER_TILE_BYTES = 8 << 20
 
 
+class DecodeProbe:
+    """A policy that measures each decode step rather than selects (the recall evaluation's probe,
+    `clusterkv_jax.eval.recall`): before a selecting layer attends, `decode_selecting` hands it the step's queries.
+    No other policy's step calls anything for it."""
+
+    def observe_decode(self, state: Any, q: jax.Array, view, lengths: jax.Array, prompt_lengths: jax.Array) -> Any:
+        """The step's queries q [B, N, H] and the layer's store `view` (see `clusterkv_jax.store`), before the
+        layer attends; returns the layer's state."""
+        raise NotImplementedError
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The steps
 # ----------------------------------------------------------------------------------------------------------
@@ -441,8 +452,9 @@ def decode_selecting(policy, state, q: jax.Array, view, lengths: jax.Array, prom
     """One selecting layer's decode attention, from its store `view` (this layer, the new token's row written;
     its window indexed before the step: `index_windows`): q [B, N, H], lengths [B] the new token included,
     scores soft-capped by `cap`. Returns (output [B, N, H] float32, state, view)."""
-    with jax.named_scope("index"):
-        state = policy.observe_decode(state, q, view, lengths, prompt_lengths)
+    if isinstance(policy, DecodeProbe):
+        with jax.named_scope("probe"):
+            state = policy.observe_decode(state, q, view, lengths, prompt_lengths)
     if policy.covers(view.positions):
         return attend_everything(policy, state, q, view, lengths, cap), state, view
     # Whether every indexed token fits the selection is known only on the device. Where a branch waits for the

@@ -24,7 +24,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from clusterkv_jax import axes
-from clusterkv_jax.attend import index_window
+from clusterkv_jax.attend import DecodeProbe, index_window
 from clusterkv_jax.cache import init_cache
 from clusterkv_jax.eval.report import json_safe
 from clusterkv_jax.steps import bucket_length, cache_capacity, decode_step, prefill
@@ -41,7 +41,7 @@ class ProbeState:
 
 
 @dataclasses.dataclass(frozen=True)
-class RecallProbe(KVPolicy):
+class RecallProbe(KVPolicy, DecodeProbe):
     policies: tuple = ()
     budgets: tuple = ()  # the budget B each policy is scored against
     reads_all_keys = True

@@ -220,12 +220,6 @@ class KVPolicy:
         then; None (the default): it may have, write it every step."""
         return None
 
-    def observe_decode(self, state: Any, q: jax.Array, view, lengths: jax.Array, prompt_lengths: jax.Array) -> Any:
-        """Each decode step, before `select`: the step's queries q [B, N, H] and the layer's store `view` (see
-        `clusterkv_jax.store`), for a policy that measures rather than selects (the recall evaluation's probe).
-        Returns the state (default: unchanged)."""
-        return state
-
     def covers_now(self, state: Any, lengths: jax.Array, prompt_lengths: jax.Array) -> jax.Array | None:
         """[B, ...] whether this step's selection would hold every indexed token of each sequence (and head); where
         all do, the step attends the whole layer instead. None: never decided here. (Reduced whole, to one bool:
