@@ -35,7 +35,6 @@ import jax
 import jax.numpy as jnp
 
 from clusterkv_jax import attention, kernels
-from clusterkv_jax.ops import multi_device_axes
 from clusterkv_jax.policies.common import recent_window, ring_window_mask
 from clusterkv_jax.selection import Selection
 from clusterkv_jax.store import DeviceLayer
@@ -491,7 +490,7 @@ def attend_selected(policy, state, q: jax.Array, view, lengths: jax.Array, promp
     ring_mask = ring_window_mask(lengths, start, W, S) if W and policy.ring_window else None
     # The store rows can be read where they lie: a device store, a ring window (or none), no multi-device mesh
     # (the page table and the tiles address the whole store; under a mesh the rows are gathered per shard).
-    whole_store = isinstance(view, DeviceLayer) and (not W or policy.ring_window) and multi_device_axes() is None
+    whole_store = isinstance(view, DeviceLayer) and (not W or policy.ring_window) and not kernels.on_a_mesh()
     impl = kernels.resolve(policy.kernels, "selected_attention")
     if whole_store and impl != "reference" and cap is None and can_attend_in_place(view, selection, W):
         with jax.named_scope("attend"):

@@ -1,4 +1,6 @@
-"""A built-in document for `clusterkv demo` when no text file is given or found (original text, CC0)."""
+"""A short built-in story (original text, CC0): the prompt of the examples and the notebook where no text is given
+(`examples/*.py`, `examples/clusterkv_colab.ipynb`), and the tests' long text where the shared data is absent. The
+demo writes its own document (`clusterkv_jax.demo.haystack`)."""
 
 DEMO_DOCUMENT = """Title: The Keeper of Gull Rock
 Author: Marta Lindqvist

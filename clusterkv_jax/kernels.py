@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from clusterkv_jax import attention
-from clusterkv_jax.ops import per_shard
+from clusterkv_jax.ops import multi_device_axes, per_shard
 from pallas_kernels import (
     centroid_update as _centroid_update_pallas,
     centroid_update_reference,
@@ -177,6 +177,15 @@ def layer_values(*args):
     for j, value in zip(arrays, jax.lax.optimization_barrier([leaves[j] for j in arrays])):
         leaves[j] = value
     return jax.tree.unflatten(tree, leaves)
+
+
+def on_a_mesh() -> bool:
+    """Whether the program being traced runs under a multi-device mesh (`steps.in_mesh_scope` sets it for the
+    trace: `ops.sharded_trace`). There a kernel op runs once per device on its shard (`ops.per_shard`), a layer
+    attends its selection gathered rather than in place or in tiles (both read a whole store, which the mesh
+    splits; `attend.attend_selected`), and a host store's rows are written by a host computation
+    (`offload._write_rows`)."""
+    return multi_device_axes() is not None
 
 
 def written_when(due, write, operand):

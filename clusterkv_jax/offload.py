@@ -40,7 +40,7 @@ import numpy as np
 from jax.experimental import compute_on as _compute_on
 
 from clusterkv_jax import axes, kernels
-from clusterkv_jax.ops import gather_rows, multi_device_axes, per_kv_head, row_index, scatter_entries, scatter_rows
+from clusterkv_jax.ops import gather_rows, per_kv_head, row_index, scatter_entries, scatter_rows
 from clusterkv_jax.selection import Selection
 from clusterkv_jax.store import KV_AXES, KVStore, LayerView
 
@@ -114,7 +114,7 @@ def _write_rows(store, layer, rows, values):
         index = to_host(row_index(rows, layer))
         return _on_host(lambda s, i, x: scatter_rows(s, i, x), store, index, to_host(values.astype(store.dtype)))
 
-    if host_memory_kind() is None or multi_device_axes() is not None:
+    if host_memory_kind() is None or kernels.on_a_mesh():
         return on_host(store, layer, rows, values)
     return kernels.by_platform(store, layer, rows, values, cpu=on_host, tpu=_rewrite_planes, default=_update_rows)
 
