@@ -173,11 +173,12 @@ def generate(
         raise TypeError(f"policy must be a KVPolicy (FullKV(), ClusterKV(...), ...), got {type(policy).__name__}")
     config: ModelConfig = model.config
     ids, single = _as_token_batch(model, prompts, chat, add_special_tokens)
-    _check_room(max(len(p) for p in ids), max_new_tokens, max_length, config)
+    longest = max(len(p) for p in ids)
+    _check_room(longest, max_new_tokens, max_length, config)
     sampling = Sampling.make(temperature, top_k, top_p)
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not -2**31 <= seed < 2**32:
         raise TypeError(f"seed must be an int in [-2^31, 2^32), got {seed!r}")
-    bucket, prefill_chunk = _bucket_and_chunk(max(len(p) for p in ids), prefill_chunk)
+    bucket, prefill_chunk = _bucket_and_chunk(longest, prefill_chunk)
     n_prompts = len(ids)
     ids, rules, params = _on_mesh(model, ids, mesh)
     lengths = np.array([len(p) for p in ids], np.int32)
@@ -191,12 +192,12 @@ def generate(
     if cache_dtype is None:
         cache_dtype = jax.tree_util.tree_leaves(model.params)[0].dtype
 
-    start_args = (params, tokens_in, lengths_in, sampling, jax.random.PRNGKey(seed), eos_ids, pad_id)
     start_static = dict(config=config, policy=policy, max_new_tokens=max_new_tokens,
                         capacity=cache_capacity(bucket, max_new_tokens), cache_dtype=jnp.dtype(cache_dtype),
                         sharding=rules, prefill_chunk=prefill_chunk)
     decode_static = dict(config=config, policy=policy, max_new_tokens=max_new_tokens, sharding=rules)
-    run = _run(model, start_args, start_static, decode_static, n_prompts, progress)
+    run = _run(model, params, tokens_in, lengths_in, sampling, jax.random.PRNGKey(seed), eos_ids, pad_id,
+               start_static, decode_static, n_prompts, progress)
     nonfinite = int(to_host(run.loop.nonfinite))
     if nonfinite >= 0:
         where = "the prompt's last position" if nonfinite == 0 else f"generated token {nonfinite}"
@@ -208,10 +209,9 @@ def generate(
     if model.tokenizer is not None:
         texts = [model.tokenizer.decode(g) for g in generated]
     return GenerationResult(
-        tokens=generated, texts=texts, prompt_lengths=lengths[:n_prompts].tolist(), seconds=run.end - run.start,
-        cache=run.loop.cache if return_cache else None, prefill_seconds=run.prefilled - run.compiled_prefill,
-        decode_seconds=run.end - run.decoding,
-        compile_seconds=(run.compiled_prefill - run.start) + (run.decoding - run.prefilled), compiled=run.compiled,
+        tokens=generated, texts=texts, prompt_lengths=lengths[:n_prompts].tolist(), seconds=run.seconds,
+        cache=run.loop.cache if return_cache else None, prefill_seconds=run.prefill_seconds,
+        decode_seconds=run.decode_seconds, compile_seconds=run.compile_seconds, compiled=run.compiled,
     )
 
 
@@ -273,23 +273,24 @@ def _stop_ids(model, stop_at_eos: bool) -> tuple[jax.Array, jax.Array]:
 
 @dataclasses.dataclass
 class _Run:
-    """What `_run` did: the decode loop's last state, the tokens of its last chunk on the host, its clock."""
+    """What `_run` did: the decode loop's last state, the tokens of its last chunk on the host, and the seconds
+    `GenerationResult` reports."""
 
     loop: Any
     out: np.ndarray  # [B, max_new_tokens]
     counts: np.ndarray  # [B]
-    start: float
-    compiled_prefill: float
-    prefilled: float
-    decoding: float
-    end: float
+    seconds: float
+    prefill_seconds: float
+    decode_seconds: float
+    compile_seconds: float
     compiled: bool  # a program was compiled
 
 
-def _run(model, start_args, start_static, decode_static, n_prompts: int, progress: bool) -> _Run:
+def _run(model, params, tokens, lengths, sampling, key, eos_ids, pad_id, start_static, decode_static,
+         n_prompts: int, progress: bool) -> _Run:
     """Compiles and runs the two programs, each timed apart, the decode loop in chunks (a progress bar of the
     tokens; Ctrl-C raises `GenerationInterrupted` with the tokens of the last chunk that finished)."""
-    params, sampling, eos_ids, pad_id = start_args[0], start_args[3], start_args[5], start_args[6]
+    start_args = (params, tokens, lengths, sampling, key, eos_ids, pad_id)
     max_new_tokens = decode_static["max_new_tokens"]
     with counting_compiles() as compiles:
         start = time.perf_counter()
@@ -321,5 +322,6 @@ def _run(model, start_args, start_static, decode_static, n_prompts: int, progres
             raise GenerationInterrupted(tokens, texts) from None
         bar.close()
         end = time.perf_counter()
-    return _Run(loop=loop, out=finished[0], counts=finished[1], start=start, compiled_prefill=compiled_prefill,
-                prefilled=prefilled, decoding=decoding, end=end, compiled=compiles[0] > 0)
+    return _Run(loop=loop, out=finished[0], counts=finished[1], seconds=end - start,
+                prefill_seconds=prefilled - compiled_prefill, decode_seconds=end - decoding,
+                compile_seconds=(compiled_prefill - start) + (decoding - prefilled), compiled=compiles[0] > 0)

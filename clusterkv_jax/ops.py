@@ -46,23 +46,19 @@ def sharded_trace(axes: ShardAxes | None):
         _SHARD_AXES.reset(token)
 
 
-def _multi_device() -> ShardAxes | None:
+def multi_device_axes() -> ShardAxes | None:
+    """The mesh axes of B and heads while tracing under a multi-device mesh (`shard_axes`), else None."""
     axes = _SHARD_AXES.get()
     if axes is None or axes.mesh.size == 1:
         return None
     return axes
 
 
-def multi_device_axes() -> ShardAxes | None:
-    """The mesh axes of B and heads while tracing under a multi-device mesh (`shard_axes`), else None."""
-    return _multi_device()
-
-
 def per_shard(fn, *args):
     """fn(*args) where every operand and result has leading dims [B, heads, ...]: under a multi-device mesh,
     run once per device on its shard of B and heads (`shard_map`), so a Pallas kernel stays a local custom call
     instead of being gathered onto every device; otherwise fn(*args)."""
-    axes = _multi_device()
+    axes = multi_device_axes()
     if axes is None:
         return fn(*args)
     spec = P(axes.batch, axes.heads)
