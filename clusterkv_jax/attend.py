@@ -49,8 +49,9 @@ GATHER_TILE_BYTES = 8 << 20
 
 class DecodeProbe:
     """A policy that measures each decode step rather than selects (the recall evaluation's probe,
-    `clusterkv_jax.eval.recall`): before a selecting layer attends, `decode_selecting` hands it the step's queries.
-    No other policy's step calls anything for it."""
+    `clusterkv_jax.eval.recall`, the notebook's record of ClusterKV's selections): before a selecting layer attends,
+    `decode_selecting` hands it the step's queries, and the layer's state is written back after every step. No other
+    policy's step calls anything for it."""
 
     def observe_decode(self, state: Any, q: jax.Array, view, lengths: jax.Array, prompt_lengths: jax.Array) -> Any:
         """The step's queries q [B, N, H] and the layer's store `view` (see `clusterkv_jax.store`), before the
@@ -146,7 +147,7 @@ class Decode:
                 out = attention.rows_attention(q[:, 0], view.keys(), view.values(), held, self.cap)
             return out[:, None], view.store, state, jnp.bool_(False)
         # This token's K/V [B, K, H] at each sequence's own position, in the row the policy keeps it in.
-        rows = self.policy.token_rows(state, self.lengths, S) if group.selecting else self.lengths
+        rows = self.policy.layout.token_rows(state, self.lengths, S) if group.selecting else self.lengths
         view = store.write_token(i, rows, k[:, 0], v[:, 0]).layer(i, S)
         if not group.selecting:
             with jax.named_scope("attend"):
@@ -155,7 +156,9 @@ class Decode:
             return out[:, None], view.store, state, jnp.bool_(False)
         out, new_state, view = decode_selecting(self.policy, state, q[:, 0], view, lengths, self.prompt_lengths,
                                                 self.cap)
-        return out[:, None], view.store, new_state, self.policy.decode_changed_state(state, new_state)
+        # A probe's state changes every step, whatever its policy says of its index.
+        changed = None if isinstance(self.policy, DecodeProbe) else self.policy.decode_changed_state(state, new_state)
+        return out[:, None], view.store, new_state, changed
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -210,7 +213,7 @@ def layer_scope(layers):
 def write_prompt_layer(policy, group, store, state, i, k_rows, v_rows, lengths, capacity: int, indexed: bool = False):
     """What prefill does with layer i of `group` once its K/V are computed: in a selecting group, let the policy
     index the keys (unless `indexed`: the state has indexed them already); store the prompt's K/V [B, K, T, H] as
-    rows [0, T), or where the policy's layout puts each position (`prompt_rows`). Returns (store, state)."""
+    rows [0, T), or where the policy's layout puts each position (`RowLayout.prompt_rows`). Returns (store, state)."""
     if not group.selecting:
         return store.write_prompt(i, k_rows, v_rows), state
     T = k_rows.shape[2]
@@ -219,7 +222,7 @@ def write_prompt_layer(policy, group, store, state, i, k_rows, v_rows, lengths, 
     if not indexed:
         with jax.named_scope("index"):
             state = _index_keys(policy, state, keys, lengths)
-    layout = policy.prompt_rows(state)  # [B, K, R] position of each row, or None: row = position
+    layout = policy.layout.prompt_rows(state)  # [B, K, R] position of each row, or None: row = position
     if layout is None:  # (`indexed`: the rows are in the store in position order already)
         return (store if indexed else store.write_prompt(i, k_rows, v_rows)), state
     with jax.named_scope("layout"):
@@ -342,12 +345,11 @@ def write_prompt(cache, keys: jax.Array, values: jax.Array, lengths: jax.Array, 
 
 def window_keys(policy, state, view, lengths: jax.Array, prompt_lengths: jax.Array, rows_of=None):
     """A function returning the keys [B, K, W, H] of the window's positions [window_start, window_start + W) from
-    the layer's store `view`; `rows_of(positions)` gives their rows (default: `token_rows`, the policy's own
-    layout)."""
+    the layer's store `view`; `rows_of(positions)` gives their rows (default: the policy's layout's `token_rows`)."""
     W = policy.window_size(view.positions)
     start = policy.window_start(state, lengths, prompt_lengths)
     if rows_of is None:
-        rows_of = lambda p: policy.token_rows(state, p, view.positions)  # noqa: E731
+        rows_of = lambda p: policy.layout.token_rows(state, p, view.positions)  # noqa: E731
 
     def recent_keys():
         positions = jnp.minimum(start[:, None] + jnp.arange(W), view.positions - 1)  # [B, W]
@@ -369,7 +371,7 @@ def index_windows(policy, groups, lengths: jax.Array, prompt_lengths: jax.Array,
     """Before a decode step's layers: every selecting layer whose window is due (`KVPolicy.recent_due`, lengths
     [B] the tokens stored before this step) indexes it (`index_due`: ClusterKV's decode-time clusters, Quest's
     pages), the state takes what that adds (`add_indexed`) and the store moves those rows where the policy's layout
-    puts them (`recent_moves`). Returns the groups.
+    puts them (`RowLayout.recent_moves`). Returns the groups.
 
     All layers are indexed under one `lax.cond` for the step, skipped on the steps where none is due: on a GPU
     each branch waits for the host (`kernels.branches_wait_for_host`), and one per layer cost a wait per layer on
@@ -415,7 +417,7 @@ def index_windows(policy, groups, lengths: jax.Array, prompt_lengths: jax.Array,
             new = jax.vmap(policy.add_indexed)(old, add, due)
 
             def commit(i, store, old=old, new=new):
-                moves = policy.recent_moves(jax.tree.map(lambda s: s[i], old), jax.tree.map(lambda s: s[i], new))
+                moves = policy.layout.recent_moves(jax.tree.map(lambda s: s[i], old), jax.tree.map(lambda s: s[i], new))
                 return store if moves is None else store.layer(i, capacity).commit_window(*moves).store
 
             n, store = groups[j].num_layers, groups[j].store
@@ -470,10 +472,11 @@ def decode_selecting(policy, state, q: jax.Array, view, lengths: jax.Array, prom
 
 
 def attend_everything(policy, state, q: jax.Array, view, lengths: jax.Array, cap: float | None = None) -> jax.Array:
-    """Every row of the layer that holds a token (`KVPolicy.held_rows`, within `covered_rows`), as full KV attends."""
-    n = policy.covered_rows(view.positions)
+    """Every row of the layer that holds a token (the layout's `held_rows`, within `covered_rows`), as full KV
+    attends."""
+    n = policy.layout.covered_rows(view.positions)
     with jax.named_scope("attend"):
-        mask = policy.held_rows(state, lengths, view.positions)[..., :n]
+        mask = policy.layout.held_rows(state, lengths, view.positions)[..., :n]
         return attention.rows_attention(q, *view.read_all(n), mask, cap)
 
 
@@ -485,12 +488,12 @@ def attend_selected(policy, state, q: jax.Array, view, lengths: jax.Array, promp
     with jax.named_scope("select"):
         keys = view.keys() if policy.reads_all_keys else view.key_blocks if policy.reads_key_blocks else None
         selection = policy.select(state, q, keys, lengths, prompt_lengths)
-    W = policy.window_size(S)
+    W, ring = policy.window_size(S), policy.layout.ring_window
     start = policy.window_start(state, lengths, prompt_lengths) if W else None
-    ring_mask = ring_window_mask(lengths, start, W, S) if W and policy.ring_window else None
+    ring_mask = ring_window_mask(lengths, start, W, S) if W and ring else None
     # The store rows can be read where they lie: a device store, a ring window (or none), no multi-device mesh
     # (the page table and the tiles address the whole store; under a mesh the rows are gathered per shard).
-    whole_store = isinstance(view, DeviceLayer) and (not W or policy.ring_window) and not kernels.on_a_mesh()
+    whole_store = isinstance(view, DeviceLayer) and (not W or ring) and not kernels.on_a_mesh()
     impl = kernels.resolve(policy.kernels, "selected_attention")
     if whole_store and impl != "reference" and cap is None and can_attend_in_place(view, selection, W):
         with jax.named_scope("attend"):
@@ -501,11 +504,11 @@ def attend_selected(policy, state, q: jax.Array, view, lengths: jax.Array, promp
         k_win = v_win = w_mask = None
         if W:
             with jax.named_scope("window"):
-                if policy.ring_window:
+                if ring:
                     (k_win, v_win), w_mask = view.ring(W), ring_mask
                 else:
                     positions, w_mask = recent_window(lengths, start, W)
-                    k_win, v_win = view.window(policy.token_rows(state, positions, S))
+                    k_win, v_win = view.window(policy.layout.token_rows(state, positions, S))
         with jax.named_scope("attend"):
             return (attention.selection_and_window_attention(q, k_sel, v_sel, sel_mask, k_win, v_win, w_mask, cap),
                     view)

@@ -176,14 +176,14 @@ def _build_cache(config: ModelConfig, policy, batch_size: int, capacity: int, dt
     groups = []
     for plan in plan_layers(config, policy, capacity):
         n, selecting = len(plan.layers), plan.kind.attention == SELECTING
-        rows = {WINDOWED: config.sliding_window, FULL: capacity, SELECTING: policy.store_rows(capacity)}[
+        rows = {WINDOWED: config.sliding_window, FULL: capacity, SELECTING: policy.layout.store_rows(capacity)}[
             plan.kind.attention]
         if not plan.kind.on_host:
             store = DeviceKV.create(n, B, K, rows, H, dtype)
         elif selecting:
             store = HostKV.create(n, B, K, rows, H, dtype, window=policy.window_size(capacity),
                                   selection_shape=policy.selection_shape(config, B, capacity),
-                                  recall_steps=policy.recall_steps, ring_rows=policy.ring_window)
+                                  recall_steps=policy.recall_steps, ring_rows=policy.layout.ring_window)
         else:
             store = HostKV.create(n, B, K, rows, H, dtype)
         state = policy.init_states(config, B, capacity, plan.layers) if selecting else None

@@ -278,7 +278,7 @@ class HostKV(KVStore):
     ring_k: jax.Array | None = axes.field("layers", "batch", "kv_heads", "window", "head_dim", default=None)
     ring_v: jax.Array | None = axes.field("layers", "batch", "kv_heads", "window", "head_dim", default=None)
     recall: RecallCache | None = None  # device: chunks selected in the last R steps
-    #: Rows [0, W) are the ring's (a policy whose window is a ring, `KVPolicy.ring_window`): a token written there
+    #: Rows [0, W) are the ring's (a policy whose window is a ring, `RowLayout.ring_window`): a token written there
     #: stays in the device ring only, until `commit_window` moves it to its row in host memory.
     ring_rows: bool = flax.struct.field(pytree_node=False, default=False)
 

@@ -24,7 +24,8 @@ A policy only chooses tokens: reading their keys and values (from device or host
 - Optional: `window_size` / `window_start` / `index_recent`, a window of recent tokens the policy has not
   indexed yet, attended in full (ClusterKV's not-yet-clustered tokens); `covers` / `covers_now`, when the
   selection would hold every token (then a step attends the whole layer, as full KV does); `metadata_bytes`
-  for the roofline.
+  for the roofline; `layout`, where the store keeps each token when not row = position (a
+  `clusterkv_jax.policies.layout.RowLayout`: ClusterKV keeps each cluster's members in consecutive rows).
 
 A policy is a frozen dataclass, so it is hashable and `jax.jit` treats it as a static argument: each
 distinct setting compiles once. Budget rule: B counts every attended token, sinks and recent ones included.

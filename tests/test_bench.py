@@ -172,7 +172,7 @@ def test_step_bytes_match_a_numpy_count():
     policy = ClusterKV(budget=64, full_layers=1, **SMALL)
     ckv = step_bytes(CFG, PARAMS, policy, ctx, B, 10, 4)
     # A selection head reads whole blocks: the sink block and the block slots, 16 rows each.
-    blocks = -(-policy.sinks // 16) + policy.block_slots()
+    blocks = -(-policy.sinks // 16) + policy.layout.block_slots()
     kv = 1 * B * K * ctx * row + 3 * B * (N * min(blocks * 16, ctx) + K * 10) * row
     assert ckv["kv"] == kv
     assert ckv["metadata"] == 3 * B * K * ((ctx - 4) // 8) * H * 4
@@ -207,7 +207,7 @@ def test_step_given_its_selection_is_the_step(policy):
     k, v = (x[0] for x in synthetic_kv(jax.random.PRNGKey(0), one, B, ctx, cap, jnp.float32))
     lengths = jnp.array([ctx, ctx - 30], jnp.int32)
     q = jax.random.normal(jax.random.PRNGKey(1), (B, CFG.num_heads, CFG.head_dim), jnp.float32)
-    empty = (DeviceKV.create(1, B, CFG.num_kv_heads, policy.store_rows(cap), CFG.head_dim, jnp.float32),
+    empty = (DeviceKV.create(1, B, CFG.num_kv_heads, policy.layout.store_rows(cap), CFG.head_dim, jnp.float32),
              policy.init_state(one, B, cap))
     group = LayerGroup(store=None, state=None, layers=(0,), attention="selecting")
     store, state = write_prompt_layer(policy, group, *empty, jnp.int32(0), k, v, lengths, cap)

@@ -85,7 +85,7 @@ def _members(state, b, h, block_size=16):
 def test_layout_sort_by_one_key_equals_the_stable_argsort(monkeypatch):
     """`_layout_rows` sorts label·n + offset as one int32 key; past int32 it falls back to a stable argsort of the
     labels: both give the same order and rows (ragged labels, unclustered keys at label C)."""
-    from clusterkv_jax.policies import clusterkv as module
+    from clusterkv_jax.policies import cluster_blocks as module
 
     rng = np.random.default_rng(11)
     C, n, bs = 7, 50, 4
@@ -770,7 +770,7 @@ def test_token_refine_selects_what_a_numpy_walk_selects(gqa):
     group, i = cache.group_of(3)
     view = group.store.layer(jnp.int32(i), cache.capacity)
     in_step = policy.select(state, jnp.asarray(q), view.key_blocks, lengths, lengths)
-    step_idx = np.asarray(policy.selection_positions(state, in_step))
+    step_idx = np.asarray(policy.layout.positions(state, in_step))
     step_mask = np.asarray(in_step.flat_mask())
     G, bs, tokens = CFG.num_heads // CFG.num_kv_heads, 8, 36
     pos = np.asarray(state.row_positions)

@@ -171,7 +171,7 @@ def test_windowed_layers_hold_their_window_whatever_the_context():
             for i, layer in enumerate(layers):
                 windowed = config.layer_types[i] == "sliding_attention"
                 assert layer["attention"] == ("windowed" if windowed else "full" if policy.full_layers else "selecting")
-                want = row * (config.sliding_window if windowed else policy.store_rows(capacity))
+                want = row * (config.sliding_window if windowed else policy.layout.store_rows(capacity))
                 assert layer["device"] == want, (capacity, i)
     cache = ckv.init_cache(config, ckv.ClusterKV(budget=256, full_layers=0), 1, 4096)
     # One group per kind: the windowed layers in one store, the global ones in another, each in model order.

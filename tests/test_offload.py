@@ -167,7 +167,7 @@ def test_device_kv_bytes_do_not_grow_with_context():
     assert compressed_device_bytes(small) == compressed_device_bytes(large)
     # The host holds every row of the selecting layers' stores (ClusterKV's layout: ~1.2 rows per position).
     for cache, cap in ((small, 2048), (large, 8192)):
-        layers, rows = CFG.num_layers - policy.full_layers, policy.store_rows(cap)
+        layers, rows = CFG.num_layers - policy.full_layers, policy.layout.store_rows(cap)
         assert kv_bytes(cache)["host"] == 2 * layers * CFG.num_kv_heads * rows * CFG.head_dim * 4
     assert 3.9 < kv_bytes(large)["host"] / kv_bytes(small)["host"] <= 4
     # Device KV is the 2 full layers (which grow) plus the fixed compressed-layer buffers.

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
+import flax.struct
 import jax
+import jax.numpy as jnp
 import pytest
 import numpy as np
 
+import clusterkv_jax as ckv
 from clusterkv_jax.config import ModelConfig
 from clusterkv_jax.eval.recall import format_table, run_recall
 from clusterkv_jax.loading import Model
 from clusterkv_jax.model import init_params
+from clusterkv_jax.policies.clusterkv import ClusterIndex
 
 CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
                   num_kv_heads=2, head_dim=16)
@@ -123,3 +128,36 @@ def test_probe_scores_the_selection_made_after_indexing_due_tokens():
     now, late = token_recall(indexed), token_recall(state.inner[0])
     assert now < late, "the due clusters displace prompt clusters at this step"
     assert float(after.token_recall[0]) == pytest.approx(now, abs=1e-6)
+
+
+@flax.struct.dataclass
+class _CountedIndex(ClusterIndex):
+    observed: jax.Array  # [B] decode steps this layer's probe saw
+
+
+@dataclasses.dataclass(frozen=True)
+class _CountingClusterKV(ckv.ClusterKV, ckv.DecodeProbe):
+    """ClusterKV that counts, in its index, the decode steps it observed."""
+
+    def init_state(self, config, batch_size, capacity):
+        index = super().init_state(config, batch_size, capacity)
+        return _CountedIndex(**{f.name: getattr(index, f.name) for f in dataclasses.fields(index)},
+                             observed=jnp.zeros((batch_size,), jnp.int32))
+
+    def observe_decode(self, state, q, view, lengths, prompt_lengths):
+        return state.replace(observed=state.observed + 1)
+
+
+def test_a_decode_probes_state_is_kept_after_every_step():
+    """ClusterKV says its state changed only on a step that clusters a window (`decode_changed_state`), and the CPU
+    writes a layer's state back only then; a probe's state changes every step, so a ClusterKV that is a
+    `DecodeProbe` (the notebook's record of its selections) must count every decode step of every selecting layer:
+    one per generated token after the first."""
+    policy = _CountingClusterKV(budget=32, sinks=4, tokens_per_cluster=8, full_layers=1)
+    prompts = [np.random.default_rng(3).integers(0, 128, n).tolist() for n in (90, 70)]
+    result = ckv.generate(_model(), prompts, max_new_tokens=7, policy=policy, stop_at_eos=False, return_cache=True)
+    counts = np.asarray(result.cache.policy_state.observed)  # [selecting layers, B]
+    assert counts.shape == (CFG.num_layers - 1, 2)
+    steps = [len(t) - 1 for t in result.tokens]
+    assert steps == [6, 6]
+    np.testing.assert_array_equal(counts, np.broadcast_to(steps, counts.shape))

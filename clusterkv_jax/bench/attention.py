@@ -79,7 +79,8 @@ def bench_attention(config: ModelConfig, policies: dict[str, KVPolicy], contexts
             if n := policy.prompt_queries:  # SnapKV, InfiniGen: the prompt's last queries (random, as the keys)
                 sample = jax.random.normal(jax.random.PRNGKey(seed + 2), (batch, N, n, H), jnp.float32)
                 state = policy.observe_queries(state, sample, jnp.ones((batch, n), bool))
-            empty = (DeviceKV.create(1, batch, config.num_kv_heads, policy.store_rows(capacity), H, dtype), state)
+            rows = policy.layout.store_rows(capacity)
+            empty = (DeviceKV.create(1, batch, config.num_kv_heads, rows, H, dtype), state)
             group = LayerGroup(store=None, state=None, layers=(0,), attention=SELECTING)
             # The store and index a prefill of this prompt leaves, in the policy's layout.
             index = jax.jit(lambda e, k, v, n, p=policy: write_prompt_layer(p, group, *e, jnp.int32(0), k, v, n,

@@ -8,22 +8,21 @@ array values), reads the rows it selects from the layer's store and attends. A n
 implementing `init_state`, `select` and the declarations below.
 
 Prefill, per selecting layer: `observe_queries` (only with `prompt_queries` > 0: the prompt's last queries, as
-SnapKV and InfiniGen need), then `after_prefill` (index the prompt's keys), then `prompt_rows` (where each
-position goes in the store).
+SnapKV and InfiniGen need), then `after_prefill` (index the prompt's keys).
 
 Decode: before the step's layers, each selecting layer whose window of recent tokens the policy has not indexed
 yet is due (`recent_due`) indexes it (`index_due`, under one branch for every layer:
-`clusterkv_jax.attend.index_windows`; `add_indexed` writes the result in outside the branch; `recent_moves` says
-which store rows that moves; `generate`'s loop does this between runs of steps that need none,
+`clusterkv_jax.attend.index_windows`; `add_indexed` writes the result in outside the branch; the layout's
+`recent_moves` says which store rows that moves; `generate`'s loop does this between runs of steps that need none,
 `attend.steps_until_due`); then, per selecting layer, `select` returns
 a `Selection` of the rows to attend beside the window. `covers` (static) and `covers_now` (traced; not asked on a
 GPU, where a branch waits for the host) say when the selection would hold every token: attention then reads the
 whole layer, as full KV does, and costs what it costs.
 
-Layout: by default row r of a layer's store holds position r. A policy may arrange its layers otherwise
-(ClusterKV keeps each cluster's members in consecutive rows, so a selection reads whole blocks) through
-`store_rows`, `prompt_rows`, `token_rows`, `recent_moves`, `held_rows` and `selection_positions`; the defaults
-keep positions.
+Layout: which store rows hold which tokens is the row layout's business (`layout`, a
+`clusterkv_jax.policies.layout.RowLayout` the policy names), not its hooks'. By default row r of a layer's store
+holds position r; ClusterKV names a layout that keeps each cluster's members in consecutive rows, so a selection
+reads whole blocks.
 
 Budget rule (the same for every policy): a budget B counts every token attended from the prompt and from
 already-indexed generated tokens, attention sinks included; generated tokens a policy has not yet indexed
@@ -46,6 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from clusterkv_jax.config import ModelConfig
+from clusterkv_jax.policies.layout import Positions, RowLayout
 from clusterkv_jax.selection import Selection
 
 
@@ -83,9 +83,6 @@ class KVPolicy:
     #: `select` scores some blocks of keys exactly: it gets a function (starts [B, K, n], chunk) -> keys
     #: [B, K, n, chunk, H] reading whole blocks of the layer's store (`LayerView.key_blocks`) instead of None.
     reads_key_blocks: bool = False
-    #: The window's tokens sit in store rows [0, W), row = position % W (see `token_rows`), so a step reads the
-    #: window as one slice of the store instead of gathering its rows.
-    ring_window: ClassVar[bool] = False
     #: n > 0: prefill hands `observe_queries` the post-RoPE queries of each prompt's last n tokens before
     #: `after_prefill` (SnapKV scores the prompt by them, InfiniGen skews its channels by them).
     prompt_queries: int = 0
@@ -115,6 +112,11 @@ class KVPolicy:
 
     # ---- What the model, the offload path and the benchmarks need to know (static) ----------------------
 
+    @property
+    def layout(self) -> RowLayout:
+        """Where this policy's layers keep each token in their stores (default: row r holds position r)."""
+        return Positions()
+
     def offloads(self, selecting: bool) -> bool:
         """Whether a group of layers (selecting ones, or full ones) keeps its K/V in host memory."""
         return self.offload and selecting
@@ -122,10 +124,6 @@ class KVPolicy:
     def selection_shape(self, config: ModelConfig, batch_size: int, capacity: int) -> tuple[int, int, int, int]:
         """(B, h, n, chunk): `select` picks n chunks of `chunk` rows per selection head (chunk 1 for rows)."""
         raise NotImplementedError
-
-    def store_rows(self, capacity: int) -> int:
-        """Rows of a selecting layer's store for a capacity of `capacity` positions (default: one per position)."""
-        return capacity
 
     def window_size(self, capacity: int) -> int:
         """Static slots of the window of unindexed recent tokens [window_start, length) (0: no window)."""
@@ -162,16 +160,6 @@ class KVPolicy:
     def after_prefill(self, state: Any, keys: jax.Array, lengths: jax.Array) -> Any:
         """Indexes one layer's prompt keys [B, K, S, H] (rows >= lengths[b] are padding); returns its state."""
         return state
-
-    def prompt_rows(self, state: Any) -> jax.Array | None:
-        """After `after_prefill`: the position each store row holds, [B, K, R] (-1: empty), or None for row =
-        position."""
-        return None
-
-    def token_rows(self, state: Any, positions: jax.Array, capacity: int) -> jax.Array:
-        """The store rows of tokens at positions [B, ...] (same shape; a position past `capacity` maps out of
-        range, so its write is dropped)."""
-        return positions
 
     def window_start(self, state: Any, lengths: jax.Array, prompt_lengths: jax.Array) -> jax.Array:
         """[B] first position of the window (positions below it are indexed, or sinks)."""
@@ -210,11 +198,6 @@ class KVPolicy:
             jnp.any(due), lambda s: self.add_indexed(s, self.index_due(s, recent_keys, due, prompt_lengths), due),
             lambda s: s, state)
 
-    def recent_moves(self, old_state: Any, new_state: Any) -> tuple[jax.Array, jax.Array] | None:
-        """After `add_indexed` changed the state: the window rows [B, W] whose tokens move, and the rows they go
-        to, [B, K, W] (out of range: no move), or None when the layout never moves rows."""
-        return None
-
     def decode_changed_state(self, old_state: Any, new_state: Any) -> jax.Array | None:
         """Whether a decode step changed a layer's state (a traced bool), so the model writes the state back only
         then; None (the default): it may have, write it every step."""
@@ -225,16 +208,6 @@ class KVPolicy:
         all do, the step attends the whole layer instead. None: never decided here. (Reduced whole, to one bool:
         under a mesh a scalar crosses devices, not one per sequence.)"""
         return None
-
-    def held_rows(self, state: Any, lengths: jax.Array, capacity: int) -> jax.Array:
-        """[B, 1 or K, R] the store rows holding a token, window included (what attending to everything reads)."""
-        R = self.store_rows(capacity)
-        return (jnp.arange(R, dtype=jnp.int32)[None, :] < lengths[:, None])[:, None]
-
-    def covered_rows(self, capacity: int) -> int:
-        """n: whenever the selection holds every token (`covers`, `covers_now`), rows [0, n) hold them all, so
-        attending to everything reads those rows only (default: every row)."""
-        return self.store_rows(capacity)
 
     def select(
         self,
@@ -249,15 +222,11 @@ class KVPolicy:
         Rows and a mask [B, h, M] are `Selection.of_rows(rows, mask)`."""
         raise NotImplementedError
 
-    def selection_positions(self, state: Any, selection: Selection) -> jax.Array:
-        """The positions [B, h, n * chunk] of a selection's rows (the recall evaluation compares positions)."""
-        return selection.rows()
-
     def selected_positions(self, state: Any, q: jax.Array, keys: jax.Array | None, lengths: jax.Array,
                            prompt_lengths: jax.Array) -> tuple[jax.Array, jax.Array]:
         """`select` as token positions and a mask, [B, h, M], whatever the store layout (evaluation, tests)."""
         selection = self.select(state, q, keys, lengths, prompt_lengths)
-        return self.selection_positions(state, selection), selection.flat_mask()
+        return self.layout.positions(state, selection), selection.flat_mask()
 
 
 class PromptBudgetPolicy(KVPolicy):

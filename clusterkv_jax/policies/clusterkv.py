@@ -7,18 +7,9 @@ index. Each cluster's stored centroid is the mean of its member keys. At decode,
 taken in that order until the budget is filled (the last one trimmed); the sinks are always attended; generated
 tokens not clustered yet are attended in full (the window, reported outside the budget).
 
-Layout of this policy's layers: the store keeps each cluster's members in consecutive rows, in whole blocks of
-`block_size` rows (a cluster's last block partly filled), so a selection reads a few dozen contiguous blocks:
-
-    rows [0, W)                     the window: generated tokens not clustered yet, row = position % W
-    blocks from ceil(W / bs)        the sinks, then each cluster's members in position order, cluster after
-                                    cluster (prompt clusters, then each decode-time group)
-
-A selection is at most `block_slots()` blocks: the budget's blocks plus one per cluster of average size it could
-take plus 4 (measured against what the rule selects in docs/research_log.md); if the clusters ever needed more, the last
-ones would be dropped and the budget left unfilled. `row_positions` maps
-rows back to token positions (the recall evaluation, tests). The store holds ~1.2x the rows of a position-ordered
-one (each cluster's last block is partly empty).
+Layout of this policy's layers (`ClusterKV.layout`, `clusterkv_jax.policies.cluster_blocks`): the store keeps
+each cluster's members in consecutive rows, in whole blocks, after a ring of rows for the window, so a selection
+reads a few dozen contiguous blocks.
 
 Shapes: B batch, N query heads, K KV heads, G = N // K, S capacity (positions), R store rows, H head dim,
 C cluster slots, W = decode_interval, bs = block_size, Mb block slots, ns sink blocks.
@@ -36,7 +27,8 @@ from clusterkv_jax import axes, kernels
 from clusterkv_jax.kmeans import cosine_kmeans, problem_keys
 from clusterkv_jax.ops import gather_rows, row_index, top_k_indices, top_mask
 from clusterkv_jax.policies.base import FULL_LAYERS_HELP, KVPolicy, option
-from clusterkv_jax.policies.common import put_at_slot, ring_window_mask
+from clusterkv_jax.policies.cluster_blocks import ClusterBlocks, exclusive_cumsum, scatter_last
+from clusterkv_jax.policies.common import put_at_slot
 from clusterkv_jax.selection import Selection
 from pallas_kernels import centroid_update_reference
 
@@ -81,10 +73,6 @@ class ClusterIndex:
     block_means: jax.Array = axes.field("batch", "kv_heads", "blocks", "head_dim")
 
 
-def _exclusive_cumsum(x: jax.Array) -> jax.Array:
-    return jnp.cumsum(x, axis=-1, dtype=x.dtype) - x  # dtype kept (int32 sums widen under x64)
-
-
 def rank_and_index(
     scores: jax.Array,  # [..., C] float32 cluster scores
     sizes: jax.Array,  # [..., C] int32
@@ -125,41 +113,12 @@ def rank_and_index(
     return jax.lax.cond(jnp.all(fills), lambda: index(top_sizes, top_starts), lambda: index(*ranked(every)))
 
 
-_SORT_KEY_LIMIT = 2**31  # label·n + offset must fit an int32 for the one-key sort of `_layout_rows`
-
-
-def _layout_rows(labels, sizes, block_start, block_size: int, num_clusters: int):
-    """Store rows of clustered tokens: labels [B, K, n] (>= num_clusters: not clustered), sizes and block_start
-    [B, K, num_clusters] -> (order [B, K, n] token offsets grouped by cluster, in position order within a
-    cluster; rows [B, K, n] the row of token order[..., i], -1 where it is not clustered)."""
-    n = labels.shape[-1]
-    labels = jnp.minimum(labels, num_clusters)
-    if (num_clusters + 1) * n < _SORT_KEY_LIMIT:
-        # One sort of label·n + offset (distinct int32 keys): on XLA:CPU several times faster than the stable
-        # argsort's sort of (label, offset) pairs (docs/research_log.md).
-        key = jnp.sort(labels * n + jnp.arange(n, dtype=labels.dtype), axis=-1)
-        order, sorted_labels = key % n, key // n
-    else:
-        order = jnp.argsort(labels, axis=-1, stable=True)
-        sorted_labels = jnp.take_along_axis(labels, order, axis=-1)
-    label = jnp.minimum(sorted_labels, num_clusters - 1)
-    rank = jnp.arange(labels.shape[-1]) - jnp.take_along_axis(_exclusive_cumsum(sizes), label, axis=-1)
-    rows = jnp.take_along_axis(block_start, label, axis=-1) * block_size + rank
-    return order, jnp.where(sorted_labels < num_clusters, rows, -1)
-
-
 def _block_means(block_means, keys, rows, block_size: int):
     """block_means [B, K, nb, H] with the blocks holding `rows` [B, K, n] (-1: none) set to the mean of their
     rows' keys [B, K, n, H] (the other blocks kept)."""
     nb = block_means.shape[-2]
     means, counts = _segment_means(keys, jnp.where(rows >= 0, rows // block_size, nb), nb)
     return jnp.where(counts[..., None] > 0, means, block_means)
-
-
-def _scatter_last(x, index, values):
-    """x [B, K, m].at[index [B, K, n]].set(values), negative or out-of-range indices dropped."""
-    index = jnp.where(index < 0, x.shape[-1], index)
-    return jax.vmap(jax.vmap(lambda a, i, v: a.at[i].set(v, mode="drop")))(x, index, values)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,8 +154,6 @@ class ClusterKV(KVPolicy):
     block_size: int = option(16, "rows per store block: the unit a selection reads", least=1)
     kernels: str = option("auto", "auto: Pallas kernels on CUDA sm80+ (Mosaic on TPU), pure JAX elsewhere; "
                                   "pallas; reference; interpret (slow, tests)", choices=kernels.MODES)
-    #: The window is store rows [0, decode_interval) (`token_rows`).
-    ring_window = True
 
     def __post_init__(self):
         super().__post_init__()
@@ -218,43 +175,25 @@ class ClusterKV(KVPolicy):
 
     # ---- Static sizes, from the capacity S -----------------------------------------------------------------
 
+    @property
+    def layout(self) -> ClusterBlocks:
+        return ClusterBlocks(block_size=self.block_size, sinks=self.sinks, window=self.decode_interval,
+                             tokens_per_cluster=self.tokens_per_cluster, decode_clusters=self.decode_clusters,
+                             budget=self.budget)
+
     def prompt_cluster_slots(self, capacity: int) -> int:
         return max(1, (capacity - self.sinks) // self.tokens_per_cluster)
-
-    def cluster_slots(self, capacity: int) -> int:
-        """Prompt clusters plus decode-time groups never exceed 1 + S x max(1 / tokens_per_cluster,
-        decode_clusters / decode_interval): the prompt and the generated tokens share the capacity."""
-        per_token = max(capacity // self.tokens_per_cluster, capacity * self.decode_clusters // self.decode_interval)
-        return 1 + per_token + self.decode_clusters
-
-    def block_slots(self, tokens: int | None = None) -> int:
-        """Mb: the blocks a selection of `tokens` (default: the budget past the sinks) may read (see the module
-        docstring)."""
-        tokens = self.budget - self.sinks if tokens is None else tokens
-        return -(-tokens // self.block_size) + -(-tokens // self.tokens_per_cluster) + 4
-
-    def _first_block(self) -> int:
-        """The sinks' first block, after the window's rows."""
-        return -(-self.decode_interval // self.block_size)
-
-    def _sink_blocks(self) -> int:
-        return -(-self.sinks // self.block_size)
-
-    def store_rows(self, capacity: int) -> int:
-        bs = self.block_size
-        blocks = self._first_block() + self._sink_blocks() + -(-max(capacity - self.sinks, 0) // bs)
-        return bs * (blocks + self.cluster_slots(capacity))  # each cluster's last block may be partly empty
 
     def selection_shape(self, config, batch_size, capacity):
         heads = config.num_heads if self.gqa == "per_head" else config.num_kv_heads
         if self.token_refine > 1:  # rows: the sinks, then the tokens
             return (batch_size, heads, self.budget, 1)
-        return (batch_size, heads, self._sink_blocks() + self.block_slots(), self.block_size)
+        return (batch_size, heads, self.layout.sink_blocks() + self.layout.block_slots(), self.block_size)
 
     def metadata_bytes(self, config, context):
         clusters = max(1, (context - self.sinks) // self.tokens_per_cluster)
         per_cluster = 2 if self.score != "dot" else 1  # float32 centroids (and variances)
-        blocks = -(-self.store_rows(context) // self.block_size) if self.block_refine > 1 else 0  # block means
+        blocks = -(-self.layout.store_rows(context) // self.block_size) if self.block_refine > 1 else 0  # block means
         return config.num_kv_heads * (clusters * per_cluster + blocks) * config.head_dim * 4
 
     def window_size(self, capacity: int) -> int:
@@ -264,7 +203,7 @@ class ClusterKV(KVPolicy):
 
     def init_state(self, config, batch_size, capacity):
         B, K, H = batch_size, config.num_kv_heads, config.head_dim
-        C, R = self.cluster_slots(capacity), self.store_rows(capacity)
+        C, R = self.layout.cluster_slots(capacity), self.layout.store_rows(capacity)
         zi = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
         return ClusterIndex(
             centroids=jnp.zeros((B, K, C, H), jnp.float32),
@@ -286,31 +225,11 @@ class ClusterKV(KVPolicy):
         # [B, S] tokens to cluster: past the sinks, inside the prompt.
         valid = (pos[None, :] >= self.sinks) & (pos[None, :] < lengths[:, None])
         num_clusters = jnp.clip((lengths - self.sinks) // self.tokens_per_cluster, 1, C0).astype(jnp.int32)
-        # One problem per (sequence, KV head), kept as [B, K] leading dims (not merged: see kmeans).
-        with jax.named_scope("kmeans"):
-            result = cosine_kmeans(
-                keys,
-                jnp.broadcast_to(valid[:, None], (B, K, S)),
-                jnp.broadcast_to(num_clusters[:, None], (B, K)),
-                self._head_keys(B, K, salt=0),
-                max_clusters=C0,
-                max_iters=self.max_iters,
-                init=self.init,
-                impl=kernels.resolve(self.kernels, "centroid_update"),
-                tol=self.kmeans_tol,
-                assign_impl=kernels.resolve(self.kernels, "kmeans_assign"),
-            )
-        sizes = result.sizes  # [B, K, C0]
-        blocks = -(-sizes // bs)
-        first = self._first_block() + self._sink_blocks()
-        block_start = first + _exclusive_cumsum(blocks)
-        order, rows = _layout_rows(result.labels, sizes, block_start, bs, C0)
-        row_positions = _scatter_last(state.row_positions, rows, order.astype(jnp.int32))
-        # The sinks: positions [0, min(sinks, length)) in the rows of the sink blocks.
-        sink_pos = jnp.arange(self.sinks, dtype=jnp.int32)
-        sink_rows = jnp.where(sink_pos[None, :] < lengths[:, None], self._first_block() * bs + sink_pos, -1)
-        row_positions = _scatter_last(row_positions, jnp.broadcast_to(sink_rows[:, None], (B, K, self.sinks)),
-                                      jnp.broadcast_to(sink_pos, (B, K, self.sinks)))
+        result = self._kmeans(keys, jnp.broadcast_to(valid[:, None], (B, K, S)),
+                              jnp.broadcast_to(num_clusters[:, None], (B, K)), C0, salt=0)
+        sizes, layout = result.sizes, self.layout  # [B, K, C0]
+        block_start, order, rows, next_block = layout.place(result.labels, sizes,
+                                                            layout.first_block() + layout.sink_blocks())
         variances = state.variances
         if self.score != "dot":
             variances = variances.at[:, :, :C0].set(member_variances(keys, result.labels, result.centroids, sizes))
@@ -323,25 +242,25 @@ class ClusterKV(KVPolicy):
             centroids=state.centroids.at[:, :, :C0].set(result.centroids),
             sizes=state.sizes.at[:, :, :C0].set(sizes),
             block_start=state.block_start.at[:, :, :C0].set(block_start),
-            row_positions=row_positions,
-            next_block=first + jnp.sum(blocks, axis=-1, dtype=jnp.int32),
+            row_positions=layout.prompt_positions(state.row_positions, order, rows, lengths),
+            next_block=next_block,
             clustered_upto=lengths.astype(jnp.int32),
             num_prompt_clusters=num_clusters,
         )
 
-    def prompt_rows(self, state: ClusterIndex):
-        return state.row_positions
-
-    def _head_keys(self, B: int, K: int, salt: int) -> jax.Array:
-        """[B, K, 2] PRNG keys that depend on the KV head only: a sequence clusters alike alone or in a batch."""
+    def _kmeans(self, keys, valid, num_clusters, max_clusters: int, salt: int):
+        """Cosine K-means of keys [B, K, n, H] (valid [B, K, n]) into num_clusters [B, K] clusters, one problem per
+        (sequence, KV head), kept as [B, K] leading dims (not merged: see kmeans). The initialisation's PRNG keys
+        depend on the KV head and `salt` only: a sequence clusters alike alone or in a batch."""
+        B, K = keys.shape[:2]
         per_head = problem_keys(jax.random.fold_in(jax.random.PRNGKey(self.seed), salt), K)
-        return jnp.broadcast_to(per_head[None], (B,) + per_head.shape)
+        with jax.named_scope("kmeans"):
+            return cosine_kmeans(keys, valid, num_clusters, jnp.broadcast_to(per_head[None], (B,) + per_head.shape),
+                                 max_clusters=max_clusters, max_iters=self.max_iters, init=self.init,
+                                 impl=kernels.resolve(self.kernels, "centroid_update"), tol=self.kmeans_tol,
+                                 assign_impl=kernels.resolve(self.kernels, "kmeans_assign"))
 
     # ---- Decode ----------------------------------------------------------------------------------------------
-
-    def token_rows(self, state: ClusterIndex, positions, capacity):
-        W, R = self.decode_interval, state.row_positions.shape[-1]
-        return jnp.where(positions < capacity, positions % W, R)  # the window's rows; past the capacity: dropped
 
     def window_start(self, state: ClusterIndex, lengths, prompt_lengths):
         return state.clustered_upto
@@ -356,26 +275,12 @@ class ClusterKV(KVPolicy):
         recent = recent_keys()
         B, K, W, H = recent.shape
         Cp, bs = self.decode_clusters, self.block_size
-        with jax.named_scope("kmeans"):
-            result = cosine_kmeans(
-                recent,
-                jnp.ones((B, K, W), bool),
-                jnp.full((B, K), Cp, jnp.int32),
-                self._head_keys(B, K, salt=1),
-                max_clusters=Cp,
-                max_iters=self.max_iters,
-                init=self.init,
-                impl=kernels.resolve(self.kernels, "centroid_update"),
-                tol=self.kmeans_tol,
-                assign_impl=kernels.resolve(self.kernels, "kmeans_assign"),
-            )
+        result = self._kmeans(recent, jnp.ones((B, K, W), bool), jnp.full((B, K), Cp, jnp.int32), Cp, salt=1)
         sizes = result.sizes  # [B, K, Cp]
-        blocks = -(-sizes // bs)
-        block_start = state.next_block[..., None] + _exclusive_cumsum(blocks)
-        order, rows = _layout_rows(result.labels, sizes, block_start, bs, Cp)
+        block_start, order, rows, end = self.layout.place(result.labels, sizes, state.next_block)
         added = {
             "centroids": result.centroids, "sizes": sizes, "block_start": block_start, "order": order, "rows": rows,
-            "blocks": jnp.sum(blocks, axis=-1, dtype=jnp.int32),
+            "end": end,
             # Where the new clusters go: after the prompt's clusters and earlier decode groups.
             "slot": state.num_prompt_clusters + (state.clustered_upto - prompt_lengths) // W * Cp,  # [B]
         }
@@ -391,9 +296,9 @@ class ClusterKV(KVPolicy):
 
     def add_indexed(self, state: ClusterIndex, added, due):
         """The new clusters of each due sequence appended after its clusters so far, their members' rows in the
-        layout (`recent_moves` says which rows move). In place: slices of the cluster arrays and a scatter of W rows."""
-        B, K, W = added["order"].shape
-        R = state.row_positions.shape[-1]
+        layout (`ClusterBlocks.recent_moves` says which rows move). In place: slices of the cluster arrays and a
+        scatter of W rows."""
+        W = added["order"].shape[-1]
         start, slot, is_due = state.clustered_upto, added["slot"], due[:, None, None]
 
         def put(a, x):  # a [B, K, C, ...] with x [B, K, Cp, ...] at each due sequence's slot (the others' kept)
@@ -412,11 +317,7 @@ class ClusterKV(KVPolicy):
             centroids=put(state.centroids, added["centroids"]),
             sizes=put(state.sizes, added["sizes"]),
             block_start=put(state.block_start, added["block_start"]),
-            row_positions=_scatter_last(state.row_positions, jnp.where(is_due, added["rows"], -1),
-                                        (start[:, None, None] + added["order"]).astype(jnp.int32)),
-            next_block=jnp.where(due[:, None], state.next_block + added["blocks"], state.next_block),
-            recent_rows=jnp.where(is_due, _scatter_last(jnp.full((B, K, W), R, jnp.int32), added["order"],
-                                                        added["rows"]), R),
+            **self.layout.add_window(state, added["order"], added["rows"], added["end"], due),
             clustered_upto=jnp.where(due, start + W, start),
         )
 
@@ -424,38 +325,17 @@ class ClusterKV(KVPolicy):
         # Only clustering a window changes the index (`index_due`), and that runs before the layers.
         return jnp.any(new_state.clustered_upto != old_state.clustered_upto)
 
-    def recent_moves(self, old_state: ClusterIndex, new_state: ClusterIndex):
-        """The window's rows of the sequences just clustered go to their new blocks (a sequence not due moves
-        nothing: its destinations are out of range)."""
-        due = new_state.clustered_upto != old_state.clustered_upto  # [B]
-        W, R = self.decode_interval, old_state.row_positions.shape[-1]
-        rows = (old_state.clustered_upto[:, None] + jnp.arange(W)) % W  # [B, W] the window's rows
-        return rows, jnp.where(due[:, None, None], new_state.recent_rows, R)
-
     def covers(self, capacity: int) -> bool:
         # Every cluster fits the budget's tokens and its block slots, whatever the clustering: at most all
         # positions past the sinks, in at most one partial block per cluster slot.
-        most_blocks = -(-max(capacity - self.sinks, 0) // self.block_size) + self.cluster_slots(capacity)
-        return capacity <= self.budget and most_blocks <= self.block_slots()
+        most_blocks = -(-max(capacity - self.sinks, 0) // self.block_size) + self.layout.cluster_slots(capacity)
+        return capacity <= self.budget and most_blocks <= self.layout.block_slots()
 
     def covers_now(self, state: ClusterIndex, lengths, prompt_lengths):
         # The ranking takes every cluster untrimmed when all of them fit the tokens and the block slots.
         tokens = jnp.sum(state.sizes, axis=-1)  # [B, K]
         blocks = jnp.sum(-(-state.sizes // self.block_size), axis=-1)
-        return (tokens <= self.budget - self.sinks) & (blocks <= self.block_slots())  # [B, K]
-
-    def covered_rows(self, capacity: int) -> int:
-        # Clusters take consecutive blocks after the window's rows and the sinks' blocks; when every cluster fits
-        # the block slots, so do the blocks they fill.
-        return min(self.store_rows(capacity), (self._first_block() + self._sink_blocks() + self.block_slots())
-                   * self.block_size)
-
-    def held_rows(self, state: ClusterIndex, lengths, capacity: int):
-        """Sinks and clustered tokens where `row_positions` says, the window's tokens in the ring of rows [0, W)."""
-        W, R = self.decode_interval, state.row_positions.shape[-1]
-        ring = ring_window_mask(lengths, state.clustered_upto, W, capacity)  # [B, W]
-        in_ring = jnp.pad(ring, ((0, 0), (0, R - W)))[:, None, :]
-        return (state.row_positions >= 0) | in_ring
+        return (tokens <= self.budget - self.sinks) & (blocks <= self.layout.block_slots())  # [B, K]
 
     def _scores(self, state: ClusterIndex, q):
         """Every cluster's score (`score`): [B, K, G, C] per query head, or [B, K, 1, C] for the sum over a KV
@@ -485,7 +365,7 @@ class ClusterKV(KVPolicy):
         if self.token_refine > 1:
             return self._select_tokens(state, q, keys, lengths, prompt_lengths)
         B = q.shape[0]
-        bs, ns, Mb = self.block_size, self._sink_blocks(), self.block_slots()
+        bs, ns, Mb = self.block_size, self.layout.sink_blocks(), self.layout.block_slots()
         scores = self._scores(state, q)  # [B, K, g, C]
         K, g = scores.shape[1], scores.shape[2]
         ranked = lambda x: jnp.broadcast_to(x[:, :, None], scores.shape)  # noqa: E731
@@ -494,7 +374,7 @@ class ClusterKV(KVPolicy):
         # Usually ~wanted / tokens_per_cluster clusters fill it: rank twice that many first.
         first = 2 * -(-wanted // self.tokens_per_cluster) + 4
         blocks, rows = rank_and_index(scores, ranked(state.sizes), ranked(state.block_start), wanted,  # [B, K, g, *]
-                                      self.block_slots(wanted), bs, first=first,
+                                      self.layout.block_slots(wanted), bs, first=first,
                                       impl=kernels.resolve(self.kernels, "cluster_to_block_index"))
         if self.block_refine > 1:
             blocks, rows = self._refine(state, q, blocks, rows, tokens, Mb)  # [B, K, g, Mb]
@@ -503,7 +383,7 @@ class ClusterKV(KVPolicy):
         # The sinks: positions i * bs + r of sink block i, while inside the prompt (and the sequence).
         sink = jnp.arange(ns, dtype=jnp.int32)[:, None] * bs + offsets  # [ns, bs]
         sink_mask = (sink < self.sinks) & (sink < jnp.minimum(lengths, prompt_lengths)[:, None, None])  # [B, ns, bs]
-        sink_starts = (self._first_block() + jnp.arange(ns, dtype=jnp.int32)) * bs
+        sink_starts = (self.layout.first_block() + jnp.arange(ns, dtype=jnp.int32)) * bs
         starts = jnp.concatenate([jnp.broadcast_to(sink_starts, (B, K, g, ns)), blocks * bs], axis=-1)
         mask = jnp.concatenate([jnp.broadcast_to(sink_mask[:, None, None], (B, K, g, ns, bs)), mask], axis=-2)
         return Selection(starts=starts.reshape(B, K * g, ns + Mb), mask=mask.reshape(B, K * g, ns + Mb, bs),
@@ -520,7 +400,8 @@ class ClusterKV(KVPolicy):
         wanted = tokens * self.token_refine
         blocks, rows = rank_and_index(self._candidate_scores(state, q), state.sizes[:, :, None],
                                       state.block_start[:, :, None], wanted,
-                                      self.block_slots(wanted), bs, first=2 * -(-wanted // self.tokens_per_cluster) + 4,
+                                      self.layout.block_slots(wanted), bs,
+                                      first=2 * -(-wanted // self.tokens_per_cluster) + 4,
                                       impl=kernels.resolve(self.kernels, "cluster_to_block_index"))
         blocks, rows = blocks[:, :, 0], rows[:, :, 0]  # [B, K, n]
         n = blocks.shape[-1]
@@ -538,7 +419,7 @@ class ClusterKV(KVPolicy):
         packed = jax.vmap(jax.vmap(jax.vmap(pack)))(candidate_rows, slot)  # [B, K, g, tokens]
         filled = jnp.arange(tokens) < jnp.sum(keep, axis=-1, dtype=jnp.int32)[..., None]
         sink = jnp.arange(self.sinks, dtype=jnp.int32)
-        sink_rows = jnp.broadcast_to(self._first_block() * bs + sink, (B, K, g, self.sinks))
+        sink_rows = jnp.broadcast_to(self.layout.first_block() * bs + sink, (B, K, g, self.sinks))
         sink_mask = jnp.broadcast_to((sink < jnp.minimum(lengths, prompt_lengths)[:, None])[:, None, None],
                                      (B, K, g, self.sinks))
         return Selection.of_rows(jnp.concatenate([sink_rows, packed], -1).reshape(B, K * g, self.budget),
@@ -569,14 +450,6 @@ class ClusterKV(KVPolicy):
             by_row = jnp.take_along_axis(keys, jnp.maximum(state.row_positions, 0)[..., None], axis=-2)
             keys = lambda starts, chunk: gather_rows(by_row, row_index(starts), chunk=chunk, aligned=True)  # noqa: E731
         return super().selected_positions(state, q, keys, lengths, prompt_lengths)
-
-    def selection_positions(self, state: ClusterIndex, selection: Selection):
-        B, h, n = selection.starts.shape
-        K = state.row_positions.shape[1]
-        rows = selection.rows().reshape(B, K, -1)  # a KV head's rows for all its selection heads
-        R = state.row_positions.shape[-1]
-        positions = jnp.take_along_axis(state.row_positions, jnp.clip(rows, 0, R - 1), axis=-1)
-        return positions.reshape(B, h, n * selection.chunk)
 
 
 #: The selection rule of the ClusterKV paper (Liu et al., 2024): 16 sinks, C0 = (L - 16) / 80 prompt clusters, 4

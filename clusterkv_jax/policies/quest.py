@@ -20,6 +20,7 @@ from clusterkv_jax import axes
 from clusterkv_jax.ops import top_k_indices
 from clusterkv_jax.policies.base import FULL_LAYERS_HELP, KVPolicy, option
 from clusterkv_jax.policies.common import put_at_slot
+from clusterkv_jax.policies.layout import Positions
 from clusterkv_jax.selection import Selection
 
 
@@ -92,8 +93,9 @@ class Quest(KVPolicy):
         return (batch_size, config.num_heads, min(self.budget // self.page_size, self.num_pages(capacity)),
                 self.page_size)
 
-    def store_rows(self, capacity):
-        return -(-capacity // self.page_size) * self.page_size  # whole pages: a page never reads past the end
+    @property
+    def layout(self):
+        return Positions(unit=self.page_size)  # whole pages: a page never reads past the store's end
 
     def metadata_bytes(self, config, context):
         pages = -(-context // self.page_size)
