@@ -1,7 +1,11 @@
 """Where a layer attends: prefill and decode, to every token or to what a policy selects, from its store.
 
 The model's one layer body hands each layer's new q, k, v to a step's `attend(group, i, store, state, q, k, v)`
-and gets back the attention output, the layer group's store and the layer's policy state. The steps:
+and gets back the attention output, the layer group's store and the layer's policy state. A step carries what it
+is about (the lengths, the capacity, the policy); how a layer stores its K/V and attends in that step is its
+group's kind's: `WindowedLayers` (a ring of the last W positions), `FullLayers` (row = position, every token
+attended) and `SelectingLayers` (the policy's layout and selection), each with `prefill`, `prefill_chunk`,
+`decode` and `store_prompt` (`LAYERS`). The steps:
 
 - `Prefill`: a prompt from an empty cache. The prompt's K/V are stored (in a selecting layer, where the policy's
   layout puts each position, once it has indexed the keys) and attention is causal over the prompt.
@@ -35,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from clusterkv_jax import attention, kernels
+from clusterkv_jax.cache import FULL, SELECTING, WINDOWED
 from clusterkv_jax.policies.common import recent_window, ring_window_mask
 from clusterkv_jax.selection import Selection
 from clusterkv_jax.store import DeviceLayer
@@ -60,7 +65,7 @@ class DecodeProbe:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The steps
+# The steps: what each carries; a layer's group says how it stores and attends (`LAYERS`)
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -77,20 +82,7 @@ class Prefill:
 
     def attend(self, group, i, store, state, q, k, v):
         """-> (causal attention [B, T, N, H] (`kernels.prompt_attention`), store, state, None)."""
-        k_rows = jnp.swapaxes(k, 1, 2).astype(store.k.dtype)  # [B, K, T, H] rows 0..T, in the store's dtype
-        v_rows = jnp.swapaxes(v, 1, 2).astype(store.v.dtype)
-        if group.windowed:
-            W = store.capacity
-            store = write_ring(store, i, k_rows, v_rows, 0, self.lengths)
-            return (kernels.prompt_attention(q, k, v, block=PREFILL_BLOCK, window=W, cap=self.cap), store, state,
-                    None)
-        state = observe_prompt_queries(self.policy, group, state, q, 0, self.lengths)
-        if self.index:
-            store, state = write_prompt_layer(self.policy, group, store, state, i, k_rows, v_rows, self.lengths,
-                                              self.capacity)
-        else:
-            store = store.write_prompt(i, k_rows, v_rows)
-        return kernels.prompt_attention(q, k, v, block=PREFILL_BLOCK, cap=self.cap), store, state, None
+        return LAYERS[group.attention].prefill(self, i, store, state, q, k, v)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,22 +99,7 @@ class PrefillChunk:
     cap: float | None = None
 
     def attend(self, group, i, store, state, q, k, v):
-        if group.windowed:  # the chunk attends to the ring (the positions before it) and to itself
-            W, (B, T) = store.capacity, q.shape[:2]
-            k_rows, v_rows = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
-            view = store.layer(i)
-            q_positions = jnp.broadcast_to(self.start + jnp.arange(T, dtype=jnp.int32), (B, T))
-            k_positions = jnp.concatenate([ring_positions(jnp.broadcast_to(self.start, (B,)), W), q_positions], 1)
-            keys = jnp.concatenate([view.keys(), k_rows.astype(store.k.dtype)], 2)  # [B, K, W + T, H]
-            values = jnp.concatenate([view.values(), v_rows.astype(store.v.dtype)], 2)
-            out = attention.window_attention(q, q_positions, keys, values, k_positions, W, self.cap)
-            return out, write_ring(store, i, k_rows, v_rows, self.start, self.lengths), state, None
-        written = store.write_prompt(i, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), start=self.start)
-        view = written.layer(i)
-        out = attention.causal_attention_over_rows(q, view.keys()[:, :, :self.prompt],
-                                                   view.values()[:, :, :self.prompt], self.start, block=PREFILL_BLOCK,
-                                                   cap=self.cap)
-        return out, written, observe_prompt_queries(self.policy, group, state, q, self.start, self.lengths), None
+        return LAYERS[group.attention].prefill_chunk(self, i, store, state, q, k, v)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,28 +114,117 @@ class Decode:
     cap: float | None = None
 
     def attend(self, group, i, store, state, q, k, v):
-        """-> (attention [B, 1, N, H] float32, store, state, changed: whether the state changed, traced)."""
-        S, lengths = self.capacity, self.lengths + 1
-        if group.windowed:  # row = position % W; the ring holds the last W positions, this one included
-            W = store.capacity
-            view = store.write_token(i, self.lengths % W, k[:, 0], v[:, 0]).layer(i)
-            with jax.named_scope("attend"):
-                held = (ring_positions(lengths, W) >= 0)[:, None]  # [B, 1, W]
-                out = attention.rows_attention(q[:, 0], view.keys(), view.values(), held, self.cap)
-            return out[:, None], view.store, state, jnp.bool_(False)
-        # This token's K/V [B, K, H] at each sequence's own position, in the row the policy keeps it in.
-        rows = self.policy.layout.token_rows(state, self.lengths, S) if group.selecting else self.lengths
-        view = store.write_token(i, rows, k[:, 0], v[:, 0]).layer(i, S)
-        if not group.selecting:
-            with jax.named_scope("attend"):
-                out = kernels.decode_attention(q[:, 0], view.keys(), view.values(), lengths, cap=self.cap,
-                                               impl=kernels.resolve(self.policy.kernels, "decode_attention"))
-            return out[:, None], view.store, state, jnp.bool_(False)
-        out, new_state, view = decode_selecting(self.policy, state, q[:, 0], view, lengths, self.prompt_lengths,
-                                                self.cap)
+        """-> (attention [B, 1, N, H] float32, store, state, changed: whether the state changed, traced, or None:
+        it may have)."""
+        return LAYERS[group.attention].decode(self, i, store, state, q, k, v)
+
+
+def _as_rows(store, k, v):
+    """k, v [B, T, K, H] as store rows [B, K, T, H] in the store's dtype."""
+    return jnp.swapaxes(k, 1, 2).astype(store.k.dtype), jnp.swapaxes(v, 1, 2).astype(store.v.dtype)
+
+
+class WindowedLayers:
+    """A sliding-attention layer whose window W is shorter than the capacity: its store is a ring of the last W
+    positions (row = position % W). It never selects and keeps no policy state."""
+
+    def store_prompt(self, policy, store, state, i, k_rows, v_rows, lengths, capacity: int):
+        """A prompt's K/V rows [B, K, T, H] (positions [0, T), those before each length) stored in layer i's ring.
+        Returns (store, state)."""
+        return write_ring(store, i, k_rows, v_rows, 0, lengths), state
+
+    def prefill(self, step: Prefill, i, store, state, q, k, v):
+        store, state = self.store_prompt(step.policy, store, state, i, *_as_rows(store, k, v), step.lengths,
+                                         step.capacity)
+        out = kernels.prompt_attention(q, k, v, block=PREFILL_BLOCK, window=store.capacity, cap=step.cap)
+        return out, store, state, None
+
+    def prefill_chunk(self, step: PrefillChunk, i, store, state, q, k, v):
+        """The chunk attends to the ring (the positions before it) and to itself."""
+        W, (B, T) = store.capacity, q.shape[:2]
+        k_rows, v_rows = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+        view = store.layer(i)
+        q_positions = jnp.broadcast_to(step.start + jnp.arange(T, dtype=jnp.int32), (B, T))
+        k_positions = jnp.concatenate([ring_positions(jnp.broadcast_to(step.start, (B,)), W), q_positions], 1)
+        keys = jnp.concatenate([view.keys(), k_rows.astype(store.k.dtype)], 2)  # [B, K, W + T, H]
+        values = jnp.concatenate([view.values(), v_rows.astype(store.v.dtype)], 2)
+        out = attention.window_attention(q, q_positions, keys, values, k_positions, W, step.cap)
+        return out, write_ring(store, i, k_rows, v_rows, step.start, step.lengths), state, None
+
+    def decode(self, step: Decode, i, store, state, q, k, v):
+        """The ring holds the last W positions, this one included."""
+        W, lengths = store.capacity, step.lengths + 1
+        view = store.write_token(i, step.lengths % W, k[:, 0], v[:, 0]).layer(i)
+        with jax.named_scope("attend"):
+            held = (ring_positions(lengths, W) >= 0)[:, None]  # [B, 1, W]
+            out = attention.rows_attention(q[:, 0], view.keys(), view.values(), held, step.cap)
+        return out[:, None], view.store, state, jnp.bool_(False)
+
+
+class FullLayers:
+    """A layer that attends to every cached token: row = position. It keeps no policy state."""
+
+    def store_prompt(self, policy, store, state, i, k_rows, v_rows, lengths, capacity: int):
+        """A prompt's K/V rows [B, K, T, H] stored as rows [0, T) of layer i. Returns (store, state)."""
+        return store.write_prompt(i, k_rows, v_rows), state
+
+    def prefill(self, step: Prefill, i, store, state, q, k, v):
+        store, state = self.store_prompt(step.policy, store, state, i, *_as_rows(store, k, v), step.lengths,
+                                         step.capacity)
+        return kernels.prompt_attention(q, k, v, block=PREFILL_BLOCK, cap=step.cap), store, state, None
+
+    def prefill_chunk(self, step: PrefillChunk, i, store, state, q, k, v):
+        written = store.write_prompt(i, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), start=step.start)
+        view = written.layer(i)
+        out = attention.causal_attention_over_rows(q, view.keys()[:, :, :step.prompt],
+                                                   view.values()[:, :, :step.prompt], step.start, block=PREFILL_BLOCK,
+                                                   cap=step.cap)
+        return out, written, state, None
+
+    def decode(self, step: Decode, i, store, state, q, k, v):
+        view = store.write_token(i, step.lengths, k[:, 0], v[:, 0]).layer(i, step.capacity)
+        with jax.named_scope("attend"):
+            out = kernels.decode_attention(q[:, 0], view.keys(), view.values(), step.lengths + 1, cap=step.cap,
+                                           impl=kernels.resolve(step.policy.kernels, "decode_attention"))
+        return out[:, None], view.store, state, jnp.bool_(False)
+
+
+class SelectingLayers(FullLayers):
+    """A layer the policy selects for: its store holds every token where the policy's layout puts it, the policy
+    indexes it (a state per layer), and a decode step attends to what the policy selects (`decode_selecting`).
+    A chunked prompt is written as a full layer's and indexed afterwards (`index_prompt`)."""
+
+    def store_prompt(self, policy, store, state, i, k_rows, v_rows, lengths, capacity: int):
+        """The policy indexes the prompt's keys, and its K/V rows [B, K, T, H] go where the layout puts each position
+        (`write_prompt_layer`). Returns (store, state)."""
+        return write_prompt_layer(policy, store, state, i, k_rows, v_rows, lengths, capacity)
+
+    def prefill(self, step: Prefill, i, store, state, q, k, v):
+        state = observe_prompt_queries(step.policy, state, q, 0, step.lengths)
+        rows = _as_rows(store, k, v)
+        if step.index:
+            store, state = self.store_prompt(step.policy, store, state, i, *rows, step.lengths, step.capacity)
+        else:  # in position order, for `index_prompt` after the layers
+            store = store.write_prompt(i, *rows)
+        return kernels.prompt_attention(q, k, v, block=PREFILL_BLOCK, cap=step.cap), store, state, None
+
+    def prefill_chunk(self, step: PrefillChunk, i, store, state, q, k, v):
+        out, written, state, _ = super().prefill_chunk(step, i, store, state, q, k, v)
+        return out, written, observe_prompt_queries(step.policy, state, q, step.start, step.lengths), None
+
+    def decode(self, step: Decode, i, store, state, q, k, v):
+        """This token's K/V [B, K, H] go to the row the policy's layout keeps its position in."""
+        policy, S = step.policy, step.capacity
+        view = store.write_token(i, policy.layout.token_rows(state, step.lengths, S), k[:, 0], v[:, 0]).layer(i, S)
+        out, new_state, view = decode_selecting(policy, state, q[:, 0], view, step.lengths + 1, step.prompt_lengths,
+                                                step.cap)
         # A probe's state changes every step, whatever its policy says of its index.
-        changed = None if isinstance(self.policy, DecodeProbe) else self.policy.decode_changed_state(state, new_state)
+        changed = None if isinstance(policy, DecodeProbe) else policy.decode_changed_state(state, new_state)
         return out[:, None], view.store, new_state, changed
+
+
+#: How each kind of layer group (`clusterkv_jax.cache.LayerGroup.attention`) stores and attends in each step.
+LAYERS = {WINDOWED: WindowedLayers(), FULL: FullLayers(), SELECTING: SelectingLayers()}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -189,11 +255,11 @@ def write_ring(store, i, k_rows: jax.Array, v_rows: jax.Array, start, lengths: j
     return store.write_layer(i, k, v)
 
 
-def observe_prompt_queries(policy, group, state, q: jax.Array, start, lengths: jax.Array):
+def observe_prompt_queries(policy, state, q: jax.Array, start, lengths: jax.Array):
     """Prefill of a selecting layer: hands the policy those of the queries q [B, T, N, H] (positions
     [start, start + T)) that lie among each prompt's last `policy.prompt_queries` tokens. Returns the state."""
     n = policy.prompt_queries
-    if not (group.selecting and n):
+    if not n:
         return state
     T = q.shape[1]
     positions = lengths[:, None] - n + jnp.arange(n, dtype=jnp.int32)  # [B, n]
@@ -210,12 +276,10 @@ def layer_scope(layers):
     return jax.named_scope(f"layer{layers[0]}" if len(layers) == 1 else f"layers{layers[0]}-{layers[-1]}")
 
 
-def write_prompt_layer(policy, group, store, state, i, k_rows, v_rows, lengths, capacity: int, indexed: bool = False):
-    """What prefill does with layer i of `group` once its K/V are computed: in a selecting group, let the policy
-    index the keys (unless `indexed`: the state has indexed them already); store the prompt's K/V [B, K, T, H] as
-    rows [0, T), or where the policy's layout puts each position (`RowLayout.prompt_rows`). Returns (store, state)."""
-    if not group.selecting:
-        return store.write_prompt(i, k_rows, v_rows), state
+def write_prompt_layer(policy, store, state, i, k_rows, v_rows, lengths, capacity: int, indexed: bool = False):
+    """What prefill does with selecting layer i of a store once its K/V are computed: let the policy index the keys
+    (unless `indexed`: the state has indexed them already); store the prompt's K/V [B, K, T, H] as rows [0, T), or
+    where the policy's layout puts each position (`RowLayout.prompt_rows`). Returns (store, state)."""
     T = k_rows.shape[2]
     pad = ((0, 0), (0, 0), (0, capacity - T), (0, 0))
     keys = jnp.pad(k_rows.astype(store.k.dtype), pad)
@@ -292,7 +356,7 @@ def index_prompt(policy, groups, lengths: jax.Array, capacity: int, prompt: int)
                 group = group.replace(store=jax.lax.optimization_barrier((done, group.store))[1])
             view = group.store.layer(0)
             with layer_scope(group.layers):
-                store, state = write_prompt_layer(policy, group, group.store, jax.tree.map(lambda x: x[n], states), 0,
+                store, state = write_prompt_layer(policy, group.store, jax.tree.map(lambda x: x[n], states), 0,
                                                   view.keys()[:, :, :prompt], view.values()[:, :, :prompt], lengths,
                                                   capacity, indexed=True)
             groups[j] = group.replace(store=store, state=jax.tree.map(lambda x: x[None], state))
@@ -303,7 +367,7 @@ def index_prompt(policy, groups, lengths: jax.Array, capacity: int, prompt: int)
         def body(store, xs):
             i, state = xs
             view = store.layer(i)
-            return write_prompt_layer(policy, group, store, state, i, view.keys()[:, :, :prompt],
+            return write_prompt_layer(policy, store, state, i, view.keys()[:, :, :prompt],
                                       view.values()[:, :, :prompt], lengths, capacity)
 
         store, state = jax.lax.scan(body, group.store, (jnp.arange(group.num_layers, dtype=jnp.int32), group.state))
@@ -324,9 +388,7 @@ def write_prompt(cache, keys: jax.Array, values: jax.Array, lengths: jax.Array, 
     for group in cache.groups:
         def body(store, xs, group=group):
             i, state, k, v = xs
-            if group.windowed:
-                return write_ring(store, i, k, v, 0, lengths), state
-            return write_prompt_layer(policy, group, store, state, i, k, v, lengths, cache.capacity)
+            return LAYERS[group.attention].store_prompt(policy, store, state, i, k, v, lengths, cache.capacity)
 
         n = group.num_layers
         layers = jnp.asarray(group.layers, jnp.int32)

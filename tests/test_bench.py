@@ -199,7 +199,6 @@ def test_step_given_its_selection_is_the_step(policy):
     selection the policy makes, it returns the same output, state and store."""
     from clusterkv_jax.attend import decode_selecting, write_prompt_layer
     from clusterkv_jax.bench.attention import _given_selection
-    from clusterkv_jax.cache import LayerGroup
     from clusterkv_jax.store import DeviceKV
 
     one = dataclasses.replace(CFG, num_layers=1)
@@ -209,8 +208,7 @@ def test_step_given_its_selection_is_the_step(policy):
     q = jax.random.normal(jax.random.PRNGKey(1), (B, CFG.num_heads, CFG.head_dim), jnp.float32)
     empty = (DeviceKV.create(1, B, CFG.num_kv_heads, policy.layout.store_rows(cap), CFG.head_dim, jnp.float32),
              policy.init_state(one, B, cap))
-    group = LayerGroup(store=None, state=None, layers=(0,), attention="selecting")
-    store, state = write_prompt_layer(policy, group, *empty, jnp.int32(0), k, v, lengths, cap)
+    store, state = write_prompt_layer(policy, *empty, jnp.int32(0), k, v, lengths, cap)
     selection = policy.select(state, q, None, lengths, lengths)
     own = decode_selecting(policy, state, q, store.layer(jnp.int32(0), cap), lengths, lengths)
     given = decode_selecting(_given_selection(policy, selection), state, q, store.layer(jnp.int32(0), cap), lengths,

@@ -16,7 +16,6 @@ from clusterkv_jax import attention
 from clusterkv_jax.attend import decode_selecting, write_prompt_layer
 from clusterkv_jax.bench.measure import compiled, timed
 from clusterkv_jax.bench.synthetic import synthetic_kv
-from clusterkv_jax.cache import SELECTING, LayerGroup
 from clusterkv_jax.config import ModelConfig
 from clusterkv_jax.steps import bucket_length, cache_capacity
 from clusterkv_jax.policies import KVPolicy
@@ -81,9 +80,8 @@ def bench_attention(config: ModelConfig, policies: dict[str, KVPolicy], contexts
                 state = policy.observe_queries(state, sample, jnp.ones((batch, n), bool))
             rows = policy.layout.store_rows(capacity)
             empty = (DeviceKV.create(1, batch, config.num_kv_heads, rows, H, dtype), state)
-            group = LayerGroup(store=None, state=None, layers=(0,), attention=SELECTING)
             # The store and index a prefill of this prompt leaves, in the policy's layout.
-            index = jax.jit(lambda e, k, v, n, p=policy: write_prompt_layer(p, group, *e, jnp.int32(0), k, v, n,
+            index = jax.jit(lambda e, k, v, n, p=policy: write_prompt_layer(p, *e, jnp.int32(0), k, v, n,
                                                                               capacity))
             (store, lay), index_s = timed(compiled(index, empty, k, v, lengths)[0], empty, k, v, lengths)
             # As in the model's decode step, the state and the store are donated (a policy may update them in
