@@ -112,12 +112,11 @@ class ClusterBlocks(RowLayout):
         """Consecutive blocks from `first_block` ([B, K] or a number) for clusters of `sizes` [B, K, C], each
         token of labels [B, K, n] (>= C: not clustered) in its cluster's rows -> (block_start [B, K, C], order
         [B, K, n] token offsets grouped by cluster, rows [B, K, n] the row of token order[..., i] (-1: not
-        clustered), end [B, K] the first block after them)."""
+        clustered), used [B, K] the blocks they take)."""
         blocks = -(-sizes // self.block_size)
-        first = jnp.asarray(first_block, jnp.int32)[..., None]
-        block_start = first + exclusive_cumsum(blocks)
+        block_start = jnp.asarray(first_block, jnp.int32)[..., None] + exclusive_cumsum(blocks)
         order, rows = _layout_rows(labels, sizes, block_start, self.block_size, sizes.shape[-1])
-        return block_start, order, rows, first[..., 0] + jnp.sum(blocks, axis=-1, dtype=jnp.int32)
+        return block_start, order, rows, jnp.sum(blocks, axis=-1, dtype=jnp.int32)
 
     def prompt_positions(self, row_positions, order, rows, lengths):
         """row_positions [B, K, R] with the prompt's clustered tokens (`place`'s order and rows) and its sinks,
@@ -130,15 +129,15 @@ class ClusterBlocks(RowLayout):
         return scatter_last(row_positions, jnp.broadcast_to(sink_rows[:, None], (B, K, self.sinks)),
                             jnp.broadcast_to(sink_pos, (B, K, self.sinks)))
 
-    def add_window(self, state, order, rows, end, due) -> dict:
+    def add_window(self, state, order, rows, used, due) -> dict:
         """The layout's fields of `state` once the window [clustered_upto, + W) is placed where due [B] (`place`'s
-        order, rows and end for it): its rows' positions, the next free block, and where its rows moved."""
+        order, rows and blocks used for it): its rows' positions, the next free block, and where its rows moved."""
         B, K, W = order.shape
         R, is_due = state.row_positions.shape[-1], due[:, None, None]
         return dict(
             row_positions=scatter_last(state.row_positions, jnp.where(is_due, rows, -1),
                                        (state.clustered_upto[:, None, None] + order).astype(jnp.int32)),
-            next_block=jnp.where(due[:, None], end, state.next_block),
+            next_block=jnp.where(due[:, None], state.next_block + used, state.next_block),
             recent_rows=jnp.where(is_due, scatter_last(jnp.full((B, K, W), R, jnp.int32), order, rows), R),
         )
 

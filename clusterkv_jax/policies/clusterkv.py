@@ -228,8 +228,8 @@ class ClusterKV(KVPolicy):
         result = self._kmeans(keys, jnp.broadcast_to(valid[:, None], (B, K, S)),
                               jnp.broadcast_to(num_clusters[:, None], (B, K)), C0, salt=0)
         sizes, layout = result.sizes, self.layout  # [B, K, C0]
-        block_start, order, rows, next_block = layout.place(result.labels, sizes,
-                                                            layout.first_block() + layout.sink_blocks())
+        first = layout.first_block() + layout.sink_blocks()
+        block_start, order, rows, used = layout.place(result.labels, sizes, first)
         variances = state.variances
         if self.score != "dot":
             variances = variances.at[:, :, :C0].set(member_variances(keys, result.labels, result.centroids, sizes))
@@ -243,7 +243,7 @@ class ClusterKV(KVPolicy):
             sizes=state.sizes.at[:, :, :C0].set(sizes),
             block_start=state.block_start.at[:, :, :C0].set(block_start),
             row_positions=layout.prompt_positions(state.row_positions, order, rows, lengths),
-            next_block=next_block,
+            next_block=first + used,
             clustered_upto=lengths.astype(jnp.int32),
             num_prompt_clusters=num_clusters,
         )
@@ -277,10 +277,10 @@ class ClusterKV(KVPolicy):
         Cp, bs = self.decode_clusters, self.block_size
         result = self._kmeans(recent, jnp.ones((B, K, W), bool), jnp.full((B, K), Cp, jnp.int32), Cp, salt=1)
         sizes = result.sizes  # [B, K, Cp]
-        block_start, order, rows, end = self.layout.place(result.labels, sizes, state.next_block)
+        block_start, order, rows, used = self.layout.place(result.labels, sizes, state.next_block)
         added = {
             "centroids": result.centroids, "sizes": sizes, "block_start": block_start, "order": order, "rows": rows,
-            "end": end,
+            "blocks": used,
             # Where the new clusters go: after the prompt's clusters and earlier decode groups.
             "slot": state.num_prompt_clusters + (state.clustered_upto - prompt_lengths) // W * Cp,  # [B]
         }
@@ -317,7 +317,7 @@ class ClusterKV(KVPolicy):
             centroids=put(state.centroids, added["centroids"]),
             sizes=put(state.sizes, added["sizes"]),
             block_start=put(state.block_start, added["block_start"]),
-            **self.layout.add_window(state, added["order"], added["rows"], added["end"], due),
+            **self.layout.add_window(state, added["order"], added["rows"], added["blocks"], due),
             clustered_upto=jnp.where(due, start + W, start),
         )
 
