@@ -18,7 +18,8 @@ from clusterkv_jax.steps import decode_step, prefill
 from clusterkv_jax.loading import Model
 from clusterkv_jax.model import init_params
 from clusterkv_jax.policies import FullKV, Quest, SnapKV
-from clusterkv_jax.policies.clusterkv import ClusterKV, ClusterKVPaper, rank_and_index
+from clusterkv_jax.policies.cluster_select import cluster_scores, rank_and_index
+from clusterkv_jax.policies.clusterkv import ClusterKV, ClusterKVPaper
 from tests.helpers import generation_programs, triton_mode
 
 CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
@@ -682,7 +683,7 @@ def test_density_scores_equal_numpy(gqa):
     for layer in range(2, 4):
         state = _layer_state(cache, layer)
         keys = _keys_by_position(cache, layer, state)
-        got = np.asarray(policy._scores(state, jnp.asarray(q)))  # [B, K, g, C]
+        got = np.asarray(cluster_scores(policy, state, jnp.asarray(q)))  # [B, K, g, C]
         for b in range(3):
             for h in range(K):
                 members = _members(state, b, h)

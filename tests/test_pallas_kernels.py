@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from clusterkv_jax.kmeans import _member_sums, cosine_kmeans, problem_keys
-from clusterkv_jax.policies.clusterkv import rank_and_index
+from clusterkv_jax.policies.cluster_select import rank_and_index
 from pallas_kernels import dispatch
 from pallas_kernels.centroid_update import centroid_update, centroid_update_reference
 from pallas_kernels.cluster_index import cluster_to_block_index, cluster_to_block_index_reference

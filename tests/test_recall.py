@@ -16,7 +16,7 @@ from clusterkv_jax.config import ModelConfig
 from clusterkv_jax.eval.recall import format_table, run_recall
 from clusterkv_jax.loading import Model
 from clusterkv_jax.model import init_params
-from clusterkv_jax.policies.clusterkv import ClusterIndex
+from clusterkv_jax.policies.cluster_index import ClusterIndex
 
 CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
                   num_kv_heads=2, head_dim=16)
