@@ -103,6 +103,7 @@ from clusterkv_jax.attend import DecodeProbe  # noqa: E402
 from clusterkv_jax.cache import KVCache, init_cache, kv_bytes, layer_kv_bytes  # noqa: E402
 from clusterkv_jax.config import ModelConfig, RopeScaling  # noqa: E402
 from clusterkv_jax.generate import GenerationInterrupted, GenerationResult, generate  # noqa: E402
+from clusterkv_jax.prompts import Prefilled, prefill_prompts  # noqa: E402
 from clusterkv_jax.sampling import sample_tokens  # noqa: E402
 from clusterkv_jax.steps import decode_step, prefill  # noqa: E402
 from clusterkv_jax.loading import Model, load_model  # noqa: E402
@@ -119,6 +120,7 @@ __all__ = [
     "FullKV",
     "InfiniGen",
     "OracleTopK",
+    "Prefilled",
     "Quest",
     "SnapKV",
     "StreamingLLM",
@@ -138,5 +140,6 @@ __all__ = [
     "layer_kv_bytes",
     "load_model",
     "prefill",
+    "prefill_prompts",
     "sample_tokens",
 ]

@@ -233,6 +233,25 @@ def model_programs(config, policies: dict, *, device, batch: int, context: int, 
     return out
 
 
+def prefilled_program(config, policy, *, device, batch: int, context: int, decode_room: int = 64,
+                      dtype=jnp.bfloat16) -> Compiled:
+    """Compiles `decode_loop.start_prefilled` for `policy`: its cache filled from a full-KV prefill of a
+    `context`-token prompt (`generate(..., prefilled=)`) and the first token sampled."""
+    from clusterkv_jax.decode_loop import start_prefilled
+    from clusterkv_jax.policies import FullKV
+    from clusterkv_jax.sampling import Sampling
+
+    full = target_cache(config, FullKV(), device=device, batch=batch, context=context, decode_room=decode_room,
+                        dtype=dtype)
+    logits = jax.ShapeDtypeStruct((batch, config.vocab_size), jnp.float32)
+    sampling = jax.eval_shape(lambda: Sampling.make(0.0, 0, 1.0))
+    key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+    ids = jax.ShapeDtypeStruct((1,), jnp.int32)
+    return compile_for_device(f"prefilled {type(policy).__name__}", start_prefilled, device, full, logits, sampling,
+                              key, ids, jax.ShapeDtypeStruct((), jnp.int32), config=config, policy=policy,
+                              max_new_tokens=decode_room)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--geometry", default="llama3-8b", help="a synthetic geometry (clusterkv_jax.config)")

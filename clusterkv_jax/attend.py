@@ -381,23 +381,70 @@ def write_prompt(cache, keys: jax.Array, values: jax.Array, lengths: jax.Array, 
     """An empty cache filled as a prefill of a prompt with these K/V [L, B, K, T, H] would fill it (its
     attention outputs are not needed): the stores hold the rows, the policy has indexed the selecting layers.
     Not for policies that index by the prompt's queries (`prompt_queries`): it has none to give them."""
-    if policy.prompt_queries:
-        raise ValueError(f"{type(policy).__name__} indexes the prompt by its queries; write_prompt has only keys "
-                         "and values (run a prefill instead)")
+    _check_keys_suffice(policy, "write_prompt")
+    groups = tuple(_store_prompt(policy, group, keys, values, group.layers, lengths, cache.capacity)
+                   for group in cache.groups)
+    lengths = lengths.astype(jnp.int32)
+    return cache.replace(groups=groups, lengths=lengths, prompt_lengths=lengths)
+
+
+def copy_prompt(cache, full, *, policy):
+    """The empty cache `cache` (laid out for `policy`) holding the prompt a full-KV cache `full` of the same
+    capacity holds after its prefill (`clusterkv_jax.generate.prefill_prompts`): what `policy`'s own prefill of
+    that prompt would store, without running the model again. The prefill's attention is causal over the prompt
+    whatever the policy, so its K/V are too. A windowed layer's ring is the same in both; every other layer's
+    rows [0, S) are stored as a prefill stores them (`store_prompt`: a selecting layer's indexed by the policy
+    first), read from `full`'s store in place. Not for policies that index by the prompt's queries."""
+    _check_keys_suffice(policy, "a shared prefill")
+    if full.capacity != cache.capacity or full.batch_size != cache.batch_size:
+        raise ValueError(f"the prefilled cache holds {full.batch_size} sequence(s) of {full.capacity} positions, "
+                         f"the new one {cache.batch_size} of {cache.capacity}")
     groups = []
     for group in cache.groups:
-        def body(store, xs, group=group):
-            i, state, k, v = xs
-            return LAYERS[group.attention].store_prompt(policy, store, state, i, k, v, lengths, cache.capacity)
+        source, layers = _source_of(full, group.layers)  # keys and values [n', B, K, R, H], and each layer's index
+        if group.windowed and source.store.k.shape == group.store.k.shape and list(layers) == list(range(len(layers))):
+            groups.append(group.replace(store=group.store.replace(k=source.store.k, v=source.store.v)))
+        elif group.windowed:
+            groups.append(group.replace(store=group.store.replace(
+                k=jnp.take(source.store.k, jnp.asarray(layers), axis=0),
+                v=jnp.take(source.store.v, jnp.asarray(layers), axis=0))))
+        else:
+            groups.append(_store_prompt(policy, group, source.store.k, source.store.v, layers, full.lengths,
+                                        cache.capacity))
+    return cache.replace(groups=tuple(groups), lengths=full.lengths, prompt_lengths=full.prompt_lengths)
 
-        n = group.num_layers
-        layers = jnp.asarray(group.layers, jnp.int32)
-        with layer_scope(group.layers):
-            store, state = jax.lax.scan(body, group.store, (jnp.arange(n, dtype=jnp.int32), group.state,
-                                                            keys[layers], values[layers]))
-        groups.append(group.replace(store=store, state=state))
-    lengths = lengths.astype(jnp.int32)
-    return cache.replace(groups=tuple(groups), lengths=lengths, prompt_lengths=lengths)
+
+def _check_keys_suffice(policy, what: str) -> None:
+    if policy.prompt_queries:
+        raise ValueError(f"{type(policy).__name__} indexes the prompt by its queries; {what} has only keys and "
+                         "values (run a prefill for it instead)")
+
+
+def _source_of(full, layers):
+    """(the group of the device cache `full` holding model layers `layers`, each one's index in that group)."""
+    places = [full.group_of(layer) for layer in layers]
+    group = places[0][0]
+    if any(g is not group for g, _ in places):
+        raise ValueError(f"layers {layers} lie in several groups of the prefilled cache")
+    if group.on_host:
+        raise ValueError("the prefilled cache keeps its K/V in host memory; prefill it without offloading")
+    return group, tuple(i for _, i in places)
+
+
+def _store_prompt(policy, group, keys, values, layers, lengths, capacity: int):
+    """The group with a prompt's K/V stored as a prefill stores them (its kind's `store_prompt`, one scanned
+    layer at a time): layer j of the group's from keys[layers[j]], values[layers[j]] ([L, B, K, T, H]), read
+    inside the loop, so the group's K/V are not copied out first."""
+    def body(store, xs):
+        i, at, state = xs
+        k, v = (jax.lax.dynamic_index_in_dim(x, at, keepdims=False) for x in (keys, values))
+        return LAYERS[group.attention].store_prompt(policy, store, state, i, k, v, lengths, capacity)
+
+    n = group.num_layers
+    with layer_scope(group.layers):
+        store, state = jax.lax.scan(body, group.store, (jnp.arange(n, dtype=jnp.int32),
+                                                        jnp.asarray(layers, jnp.int32), group.state))
+    return group.replace(store=store, state=state)
 
 
 # ----------------------------------------------------------------------------------------------------------

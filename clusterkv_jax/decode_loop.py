@@ -22,7 +22,7 @@ from clusterkv_jax.cache import KVCache, init_cache
 from clusterkv_jax.config import ModelConfig
 from clusterkv_jax.distributed import agreed, to_host
 from clusterkv_jax.model import forward_decode, forward_prefill
-from clusterkv_jax.policies import KVPolicy
+from clusterkv_jax.policies import FullKV, KVPolicy
 from clusterkv_jax.sampling import Sampling, sample_tokens
 from clusterkv_jax.steps import in_mesh_scope, index_due, pin_cache
 
@@ -48,13 +48,39 @@ def _start(params, tokens, lengths, sampling: Sampling, key, eos_ids, pad_id, *,
            prefill_chunk: int | None = None) -> DecodeLoop:
     """Prefill (in chunks of `prefill_chunk` tokens, if given) and the first sampled token: the decode loop's
     starting state."""
-    B = tokens.shape[0]
     pin = functools.partial(pin_cache, config=config, policy=policy, sharding=sharding)
-    cache = pin(init_cache(config, policy, B, capacity, cache_dtype))
+    cache = pin(init_cache(config, policy, tokens.shape[0], capacity, cache_dtype))
     logits, cache = forward_prefill(params, config, policy, tokens, lengths, cache, chunk=prefill_chunk)
+    return _first_token(logits, pin(cache), sampling, key, eos_ids, pad_id, max_new_tokens)
+
+
+def _prefill_full(params, tokens, lengths, *, config: ModelConfig, capacity: int, cache_dtype: Any, sharding=None,
+                  prefill_chunk: int | None = None):
+    """A full-KV prefill for `start_prefilled`: (logits [B, V] at each prompt's last token, the full-KV cache)."""
+    policy = FullKV()
+    pin = functools.partial(pin_cache, config=config, policy=policy, sharding=sharding)
+    cache = pin(init_cache(config, policy, tokens.shape[0], capacity, cache_dtype))
+    logits, cache = forward_prefill(params, config, policy, tokens, lengths, cache, chunk=prefill_chunk)
+    return logits, pin(cache)
+
+
+def _start_prefilled(full, logits, sampling: Sampling, key, eos_ids, pad_id, *, config: ModelConfig,
+                     policy: KVPolicy, max_new_tokens: int, sharding=None) -> DecodeLoop:
+    """`_start` from a prefill already run: `full`, the full-KV cache it filled, and `logits` [B, V], its last
+    prompt tokens' (`clusterkv_jax.generate.prefill_prompts`). The policy's cache is filled from `full`
+    (`attend.copy_prompt`); `full` is kept, for the next policy."""
+    pin = functools.partial(pin_cache, config=config, policy=policy, sharding=sharding)
+    cache = pin(init_cache(config, policy, full.batch_size, full.capacity, full.dtype))
+    cache = attend_module.copy_prompt(cache, full, policy=policy)
+    return _first_token(logits, pin(cache), sampling, key, eos_ids, pad_id, max_new_tokens)
+
+
+def _first_token(logits, cache: KVCache, sampling: Sampling, key, eos_ids, pad_id, max_new_tokens: int) -> DecodeLoop:
+    """The decode loop's starting state: the first token sampled from the prompts' last logits [B, V]."""
+    B = logits.shape[0]
     key, sub = jax.random.split(key)
     first = sample_tokens(logits, sampling, sub)
-    return DecodeLoop(step=jnp.int32(1), last=first, cache=pin(cache),
+    return DecodeLoop(step=jnp.int32(1), last=first, cache=cache,
                       out=jnp.full((B, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first),
                       done=jnp.isin(first, eos_ids), counts=jnp.ones((B,), jnp.int32), key=key,
                       nonfinite=jnp.where(_all_finite(logits), -1, 0).astype(jnp.int32))
@@ -108,6 +134,13 @@ _DECODE_STATIC = ("config", "policy", "max_new_tokens", "sharding")
 #: Prefill and the first token, one compiled program: (params, tokens, lengths, sampling, key, eos_ids, pad_id)
 #: -> DecodeLoop. `generate` runs it and `decode_generation` as two programs to time prefill and decode apart.
 start_generation = jax.jit(in_mesh_scope(_start), static_argnames=_START_STATIC)
+#: A prefill under full KV that several policies start from: (params, tokens, lengths) -> (logits, cache).
+prefill_full = jax.jit(in_mesh_scope(_prefill_full),
+                       static_argnames=("config", "capacity", "cache_dtype", "sharding", "prefill_chunk"))
+#: `start_generation` from a shared prefill: (full, logits, sampling, key, eos_ids, pad_id) -> DecodeLoop, `full`
+#: and `logits` from `clusterkv_jax.generate.prefill_prompts`.
+start_prefilled = jax.jit(in_mesh_scope(_start_prefilled),
+                          static_argnames=("config", "policy", "max_new_tokens", "sharding"))
 #: The decode loop from a `start_generation` state (donated): (params, loop, sampling, eos_ids, pad_id[, stop_at])
 #: -> DecodeLoop, stopping after step `stop_at` (traced: any stop point runs the same program) if given.
 decode_generation = jax.jit(in_mesh_scope(_decode), static_argnames=_DECODE_STATIC, donate_argnames=("loop",))

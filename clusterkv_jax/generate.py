@@ -19,15 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from clusterkv_jax import sharding as sh
 from clusterkv_jax.cache import KVCache
 from clusterkv_jax.config import ModelConfig
-from clusterkv_jax.decode_loop import compile_decode, decode_in_chunks, start_generation
+from clusterkv_jax.decode_loop import compile_decode, decode_in_chunks, start_generation, start_prefilled
 from clusterkv_jax.distributed import to_host, waiting_for_peers
-from clusterkv_jax.model import PREFILL_BLOCK
 from clusterkv_jax.policies import FullKV, KVPolicy
 from clusterkv_jax.sampling import Sampling
-from clusterkv_jax.steps import bucket_length, cache_capacity, counting_compiles
+from clusterkv_jax.prompts import Prefilled, prompt_batch, token_ids
+from clusterkv_jax.steps import cache_capacity, counting_compiles
 
 
 class GenerationInterrupted(KeyboardInterrupt):
@@ -37,20 +36,6 @@ class GenerationInterrupted(KeyboardInterrupt):
     def __init__(self, tokens: list[list[int]], texts: list[str] | None):
         super().__init__(f"interrupted after {max((len(t) for t in tokens), default=0)} generated tokens")
         self.tokens, self.texts = tokens, texts
-
-
-def _placed_params(model, rules):
-    """model.params on the mesh of `rules`, placed on the first call and kept on the model object."""
-    key = (rules.mesh, rules.heads, rules.mlp)
-    kept = getattr(model, "_sharded_params", None)
-    if kept is not None and kept[0] is model.params and kept[1] == key:
-        return kept[2]
-    placed = sh.shard_params(model.params, model.config, rules)
-    try:
-        model._sharded_params = (model.params, key, placed)
-    except (AttributeError, TypeError):  # a frozen or slotted model object: place on every call
-        pass
-    return placed
 
 
 @dataclasses.dataclass
@@ -76,55 +61,6 @@ class GenerationResult:
         return decoded / self.decode_seconds if decoded and self.decode_seconds > 0 else float("nan")
 
 
-def _as_token_batch(model, prompts, chat: bool, add_special_tokens: bool) -> tuple[list[list[int]], bool]:
-    """Normalises prompts (text, ids, or lists of either) into a list of id lists; says if input was single."""
-    if isinstance(prompts, np.ndarray):
-        prompts = prompts.tolist()
-    if not isinstance(prompts, (str, list, tuple)):
-        raise TypeError(f"prompts must be a string, a list of token ids, or a list of either; got "
-                        f"{type(prompts).__name__}")
-    single = isinstance(prompts, str) or (
-        isinstance(prompts, (list, tuple)) and len(prompts) > 0 and all(isinstance(t, (int, np.integer)) for t in prompts)
-    )
-    batch = [prompts] if single else list(prompts)
-    if not batch:
-        raise ValueError("no prompts given")
-    ids: list[list[int]] = []
-    for i, p in enumerate(batch):
-        if isinstance(p, str):
-            try:
-                p.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise ValueError(f"prompt {i} is not valid Unicode text: {e.reason} at character {e.start} "
-                                 f"({p[e.start]!r})") from None
-            if model.tokenizer is None:
-                where = getattr(model, "path", None)
-                where = f"model {where!r} has no tokenizer.json" if where else "the model has no tokenizer"
-                raise ValueError(f"{where}, so text prompts cannot be tokenised: copy the checkpoint's "
-                                 "tokenizer.json (and tokenizer_config.json) there, or pass token ids from Python")
-            if chat:
-                p = model.tokenizer.apply_chat_template([{"role": "user", "content": p}])
-                ids.append(model.tokenizer.encode(p, add_special_tokens=False))
-            else:
-                ids.append(model.tokenizer.encode(p, add_special_tokens=add_special_tokens))
-        elif isinstance(p, (list, tuple, np.ndarray)):
-            if chat:
-                raise ValueError(f"chat=True wraps text in the chat template; prompt {i} is token ids (render the "
-                                 "template yourself, or pass text)")
-            items = p.tolist() if isinstance(p, np.ndarray) else list(p)
-            if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in items):
-                raise TypeError(f"prompt {i} must be a string or a list of int token ids, got {str(p)[:60]}")
-            ids.append([int(t) for t in items])
-        else:
-            raise TypeError(f"prompt {i} must be a string or a list of int token ids, got {type(p).__name__}")
-        if not ids[-1]:
-            raise ValueError(f"prompt {i} is empty")
-        bad = [t for t in ids[-1] if not 0 <= t < model.config.vocab_size]
-        if bad:
-            raise ValueError(f"prompt {i} has token ids outside [0, {model.config.vocab_size}): {bad[:5]}")
-    return ids, single
-
-
 def generate(
     model,
     prompts: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]],
@@ -144,6 +80,7 @@ def generate(
     mesh: Any = None,
     prefill_chunk: int | None = None,
     progress: bool = False,
+    prefilled: "Prefilled | None" = None,
 ) -> GenerationResult:
     """Generates continuations for a prompt or a batch of prompts of different lengths.
 
@@ -164,6 +101,12 @@ def generate(
 
     The decode loop returns to Python about every `INTERRUPT_SECONDS`: Ctrl-C then raises `GenerationInterrupted`
     holding the tokens generated so far; `progress=True` shows a progress bar of the tokens on stderr.
+
+    `prefilled` (from `prefill_prompts` of the same prompts) starts from that prefill instead of running one: the
+    policy stores and indexes the prompts' K/V it holds, so several policies answer the same prompts for the cost
+    of one prefill, with the tokens each would generate after its own (its `prefill_seconds` then times storing
+    and indexing them). It fixes the capacity, cache dtype, mesh and chunking; a policy that indexes by the
+    prompt's queries (`prefilled.serves(policy)` is False: SnapKV, InfiniGen) needs a prefill of its own.
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
         raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
@@ -172,32 +115,34 @@ def generate(
     if not isinstance(policy, KVPolicy):
         raise TypeError(f"policy must be a KVPolicy (FullKV(), ClusterKV(...), ...), got {type(policy).__name__}")
     config: ModelConfig = model.config
-    ids, single = _as_token_batch(model, prompts, chat, add_special_tokens)
-    longest = max(len(p) for p in ids)
-    _check_room(longest, max_new_tokens, max_length, config)
+    if prefilled is None:
+        batch = prompt_batch(model, prompts, max_new_tokens, chat, add_special_tokens, max_length, prefill_chunk, mesh)
+    elif not isinstance(prefilled, Prefilled):
+        raise TypeError(f"prefilled must come from prefill_prompts, got {type(prefilled).__name__}")
+    else:
+        batch = prefilled.batch_for(model, token_ids(model, prompts, chat, add_special_tokens)[0],
+                                     max_new_tokens, policy, cache_dtype=cache_dtype, mesh=mesh,
+                                     prefill_chunk=prefill_chunk, max_length=max_length)
     sampling = Sampling.make(temperature, top_k, top_p)
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not -2**31 <= seed < 2**32:
         raise TypeError(f"seed must be an int in [-2^31, 2^32), got {seed!r}")
-    bucket, prefill_chunk = _bucket_and_chunk(longest, prefill_chunk)
-    n_prompts = len(ids)
-    ids, rules, params = _on_mesh(model, ids, mesh)
-    lengths = np.array([len(p) for p in ids], np.int32)
-    tokens = np.zeros((len(ids), bucket), np.int32)
-    for i, p in enumerate(ids):
-        tokens[i, : len(p)] = p
-    tokens_in, lengths_in = jnp.asarray(tokens), jnp.asarray(lengths)
-    if rules is not None:
-        tokens_in, lengths_in = sh.shard_batch(tokens, rules), sh.shard_batch(lengths, rules)
     eos_ids, pad_id = _stop_ids(model, stop_at_eos)
-    if cache_dtype is None:
-        cache_dtype = jax.tree_util.tree_leaves(model.params)[0].dtype
-
-    start_static = dict(config=config, policy=policy, max_new_tokens=max_new_tokens,
-                        capacity=cache_capacity(bucket, max_new_tokens), cache_dtype=jnp.dtype(cache_dtype),
-                        sharding=rules, prefill_chunk=prefill_chunk)
-    decode_static = dict(config=config, policy=policy, max_new_tokens=max_new_tokens, sharding=rules)
-    run = _run(model, params, tokens_in, lengths_in, sampling, jax.random.PRNGKey(seed), eos_ids, pad_id,
-               start_static, decode_static, n_prompts, progress)
+    key = jax.random.PRNGKey(seed)
+    if prefilled is None:
+        if cache_dtype is None:
+            cache_dtype = jax.tree_util.tree_leaves(model.params)[0].dtype
+        start_args = (batch.params, batch.tokens, batch.lengths, sampling, key, eos_ids, pad_id)
+        start = start_generation, start_args, dict(
+            config=config, policy=policy, max_new_tokens=max_new_tokens, sharding=batch.rules,
+            capacity=cache_capacity(batch.bucket, max_new_tokens), cache_dtype=jnp.dtype(cache_dtype),
+            prefill_chunk=batch.prefill_chunk)
+    else:
+        start_args = (prefilled.cache, prefilled.logits, sampling, key, eos_ids, pad_id)
+        start = start_prefilled, start_args, dict(config=config, policy=policy, max_new_tokens=max_new_tokens,
+                                                  sharding=batch.rules)
+    decode_static = dict(config=config, policy=policy, max_new_tokens=max_new_tokens, sharding=batch.rules)
+    n_prompts = len(batch.ids)
+    run = _run(model, batch.params, start, sampling, eos_ids, pad_id, decode_static, n_prompts, progress)
     nonfinite = int(to_host(run.loop.nonfinite))
     if nonfinite >= 0:
         where = "the prompt's last position" if nonfinite == 0 else f"generated token {nonfinite}"
@@ -209,56 +154,10 @@ def generate(
     if model.tokenizer is not None:
         texts = [model.tokenizer.decode(g) for g in generated]
     return GenerationResult(
-        tokens=generated, texts=texts, prompt_lengths=lengths[:n_prompts].tolist(), seconds=run.seconds,
+        tokens=generated, texts=texts, prompt_lengths=[len(p) for p in batch.ids], seconds=run.seconds,
         cache=run.loop.cache if return_cache else None, prefill_seconds=run.prefill_seconds,
         decode_seconds=run.decode_seconds, compile_seconds=run.compile_seconds, compiled=run.compiled,
     )
-
-
-def _check_room(longest: int, max_new_tokens: int, max_length, config: ModelConfig) -> None:
-    """Refuses a `max_length` that is not a positive int, and prompts that leave no room for `max_new_tokens`."""
-    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, numbers.Integral)
-                                   or max_length < 1):
-        raise ValueError(f"max_length must be a positive int (prompt + new tokens) or None (the model's "
-                         f"max_position_embeddings), got {max_length!r}")
-    limit = config.max_position_embeddings if max_length is None else max_length
-    if longest + max_new_tokens > limit:
-        raise ValueError(
-            f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the capacity of {limit} "
-            f"positions; shorten the prompt or lower max_new_tokens"
-        )
-
-
-def _bucket_and_chunk(longest: int, prefill_chunk) -> tuple[int, int | None]:
-    """The prompts' shape bucket and the prefill chunk that runs it (None: unchunked): a bucket longer than the
-    chunk is rounded up to whole chunks; one that fits in a chunk runs unchunked."""
-    bucket = bucket_length(longest)
-    if prefill_chunk is None:
-        return bucket, None
-    if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, numbers.Integral):
-        raise TypeError(f"prefill_chunk must be an int (a multiple of {PREFILL_BLOCK}) or None, got "
-                        f"{prefill_chunk!r}")
-    if prefill_chunk <= 0 or prefill_chunk % PREFILL_BLOCK:
-        raise ValueError(f"prefill_chunk must be a positive multiple of {PREFILL_BLOCK}, got {prefill_chunk}")
-    if bucket > prefill_chunk:
-        return -(-bucket // prefill_chunk) * prefill_chunk, prefill_chunk
-    return bucket, None
-
-
-def _on_mesh(model, ids: list[list[int]], mesh):
-    """-> (the prompts, padded with copies of the first to a batch the mesh's "data" axis divides; the sharding
-    rules, None without a mesh; the parameters, placed on the mesh)."""
-    if mesh is None:
-        mesh = getattr(model, "mesh", None)
-    if mesh is None and jax.process_count() > 1:
-        raise ValueError(f"JAX runs {jax.process_count()} processes: pass mesh= (a mesh over all {jax.device_count()} "
-                         "devices), or load the model with load_model(path, mesh=...)")
-    if mesh is None:
-        return ids, None, model.params
-    mesh = sh.make_mesh(mesh)
-    ids = ids + [ids[0]] * (sh.padded_batch(len(ids), mesh) - len(ids))
-    rules = sh.sharding_rules(model.config, mesh, len(ids))
-    return ids, rules, _placed_params(model, rules)
 
 
 def _stop_ids(model, stop_at_eos: bool) -> tuple[jax.Array, jax.Array]:
@@ -286,20 +185,20 @@ class _Run:
     compiled: bool  # a program was compiled
 
 
-def _run(model, params, tokens, lengths, sampling, key, eos_ids, pad_id, start_static, decode_static,
-         n_prompts: int, progress: bool) -> _Run:
-    """Compiles and runs the two programs, each timed apart, the decode loop in chunks (a progress bar of the
+def _run(model, params, start, sampling, eos_ids, pad_id, decode_static, n_prompts: int, progress: bool) -> _Run:
+    """Compiles and runs the two programs, each timed apart: `start` (program, arguments, static arguments), the
+    prefill (or the copy of a shared one) and first token; then the decode loop in chunks (a progress bar of the
     tokens; Ctrl-C raises `GenerationInterrupted` with the tokens of the last chunk that finished)."""
-    start_args = (params, tokens, lengths, sampling, key, eos_ids, pad_id)
+    start_program, start_args, start_static = start
     max_new_tokens = decode_static["max_new_tokens"]
     with counting_compiles() as compiles:
         start = time.perf_counter()
         # Each program is compiled before it runs (jit reuses the executable), so prefill_ and decode_seconds time
         # the compiled programs on every call, the first included, and the compile is reported apart.
-        start_generation.lower(*start_args, **start_static).compile()
+        start_program.lower(*start_args, **start_static).compile()
         compiled_prefill = time.perf_counter()
         with waiting_for_peers("prefill"):  # a program holding collectives, on a mesh spanning processes
-            loop = jax.block_until_ready(start_generation(*start_args, **start_static))
+            loop = jax.block_until_ready(start_program(*start_args, **start_static))
         prefilled = time.perf_counter()
         compile_decode(params, loop, sampling, eos_ids, pad_id, **decode_static)
         decoding = time.perf_counter()

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from clusterkv_jax import ClusterKV, FullKV, InfiniGen, Quest, SnapKV, generate
+from clusterkv_jax import ClusterKV, FullKV, InfiniGen, Quest, SnapKV, generate, prefill_prompts
 from clusterkv_jax import sharding as sh
 from clusterkv_jax.config import ModelConfig
 from clusterkv_jax.distributed import held_bytes
@@ -104,6 +104,16 @@ def main(out_path: str) -> None:
         caches[name] = sharded.cache
 
     section("policies")
+
+    # One prefill on the mesh shared by two policies (`prefill_prompts`): each generates its own prefill's tokens.
+    shared = prefill_prompts(model, prompts, NEW, mesh=mesh)
+    res["tokens"]["prefilled"] = {
+        "plain": [res["tokens"][name]["plain"] for name in ("clusterkv", "clusterkv_offload")],
+        "sharded": [generate(model, prompts, NEW, policy=POLICIES[name], prefilled=shared, stop_at_eos=False).tokens
+                    for name in ("clusterkv", "clusterkv_offload")]}
+    del shared
+
+    section("prefilled")
 
     # Each prompt alone (ClusterKV, offload on): unsharded B=1, and sharded (B=1 padded to data=2).
     policy = POLICIES["clusterkv_offload"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,11 +15,12 @@ from clusterkv_jax.cache import init_cache
 from clusterkv_jax.config import ModelConfig
 from clusterkv_jax.decode_loop import generate_ids
 from clusterkv_jax.generate import generate
+from clusterkv_jax.prompts import prefill_prompts
 from clusterkv_jax.sampling import Sampling
 from clusterkv_jax.steps import decode_step, prefill
 from clusterkv_jax.loading import Model
 from clusterkv_jax.model import init_params
-from clusterkv_jax.policies import FullKV, Quest, SnapKV
+from clusterkv_jax.policies import FullKV, Quest, SnapKV, StreamingLLM
 from clusterkv_jax.policies.cluster_select import cluster_scores, rank_and_index
 from clusterkv_jax.policies.clusterkv import ClusterKV, ClusterKVPaper
 from tests.helpers import generation_programs, triton_mode
@@ -209,6 +212,45 @@ def test_generate_with_clusterkv_compiles_once():
     b = generate(model, [TOKENS[2, :90].tolist(), TOKENS[0, :60].tolist()], 40, policy=policy, stop_at_eos=False)
     assert generation_programs() - before == 2
     assert all(len(t) == 40 for t in a.tokens + b.tokens)
+
+
+def test_a_shared_prefill_gives_each_policy_the_tokens_of_its_own():
+    """`prefill_prompts` once, then `generate(..., prefilled=)` under several policies: on a ragged batch, through
+    two decode-time clusterings, each policy generates the tokens of its own prefill, greedy and sampled (the first
+    token drawn from the shared prefill's logits with the call's own key)."""
+    model = Model(CFG, PARAMS, tokenizer=None)
+    prompts = [TOKENS[0, :180].tolist(), TOKENS[1, :120].tolist()]
+    shared = prefill_prompts(model, prompts, 40)
+    runs = []
+    for policy in (ClusterKV(budget=40, **SMALL), StreamingLLM(budget=40), FullKV()):
+        own = generate(model, prompts, 40, policy, stop_at_eos=False).tokens
+        assert generate(model, prompts, 40, policy, prefilled=shared, stop_at_eos=False).tokens == own, policy
+        runs.append(own)
+    assert runs[0] != runs[1] and runs[1] != runs[2] and runs[0] != runs[2]  # not one outcome thrice
+    sampled = dict(temperature=0.8, seed=3, stop_at_eos=False)
+    policy = ClusterKV(budget=40, **SMALL)
+    own = generate(model, prompts, 40, policy, **sampled).tokens
+    assert generate(model, prompts, 40, policy, prefilled=shared, **sampled).tokens == own
+    assert own != runs[0]
+
+
+def test_a_shared_prefill_refuses_what_it_does_not_hold():
+    model = Model(CFG, PARAMS, tokenizer=None)
+    prompts = [[1, 2, 3, 4], [5, 6, 7]]
+    shared = prefill_prompts(model, prompts, 4)
+    with pytest.raises(ValueError, match="SnapKV indexes the prompt by its queries"):
+        generate(model, prompts, 4, SnapKV(budget=64), prefilled=shared)
+    with pytest.raises(ValueError, match="other prompts.*prompt 1 differs"):
+        generate(model, [[1, 2, 3, 4], [5, 6]], 4, prefilled=shared)
+    with pytest.raises(ValueError, match="max_new_tokens=5 exceeds the 4"):
+        generate(model, prompts, 5, prefilled=shared)
+    with pytest.raises(ValueError, match="cache_dtype"):
+        generate(model, prompts, 4, prefilled=shared, cache_dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="another model"):
+        generate(Model(dataclasses.replace(CFG, rope_theta=CFG.rope_theta * 2), PARAMS, None), prompts, 4,
+                 prefilled=shared)
+    with pytest.raises(TypeError, match="prefill_prompts"):
+        generate(model, prompts, 4, prefilled="yes")
 
 
 @pytest.mark.parametrize("policy", [ClusterKV(budget=40, **SMALL), Quest(budget=32, page_size=8),

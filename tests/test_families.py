@@ -1,9 +1,9 @@
 """Every supported family and RoPE type against HF transformers: a tiny random checkpoint built and saved by
-transformers here (norms and biases perturbed away from their init), converted, equals HF (float32, eager
-attention) in the logits at every position and in 32 greedy tokens; ClusterKV with a budget covering the context
-equals full KV token for token; ClusterKV, Quest and the host offload run on each architecture, and a ragged batch
-equals each prompt alone. ClusterKV's clusters are made of the keys HF caches (after q/k norm and RoPE); a GGUF of
-each family llama.cpp names converts to the same parameters."""
+transformers here (norms and biases perturbed away from their init), converted, equals HF (float32, eager attention)
+in the logits at every position and in 32 greedy tokens; ClusterKV with a budget covering the context equals full KV
+token for token; ClusterKV, Quest and the host offload run on each architecture, and a ragged batch equals each
+prompt alone; a prefill shared by the policies gives each the tokens of its own. ClusterKV's clusters are made of the
+keys HF caches (after q/k norm and RoPE); a GGUF of each family llama.cpp names converts to the same parameters."""
 
 from __future__ import annotations
 
@@ -135,7 +135,14 @@ def test_policies_run_and_offloading_changes_nothing(case):
     small = ckv.ClusterKV(budget=24, **SMALL)
     on_device = _generate(ours, ids, small)[0]
     assert _generate(ours, ids, ckv.ClusterKV(budget=24, offload=True, **SMALL))[0] == on_device, name
-    assert len(_generate(ours, ids, ckv.Quest(budget=32, page_size=8, full_layers=1))[0]) == NEW
+    quest = ckv.Quest(budget=32, page_size=8, full_layers=1)
+    by_pages = _generate(ours, ids, quest)[0]
+    assert len(by_pages) == NEW
+    # One full-KV prefill shared by the policies: each stores and indexes its K/V (a windowed layer's ring copied)
+    # and generates what it does after its own prefill.
+    shared = ckv.prefill_prompts(ours, ids, NEW, max_length=256)
+    assert _generate(ours, ids, small, prefilled=shared)[0] == on_device, name
+    assert _generate(ours, ids, quest, prefilled=shared)[0] == by_pages, name
     # The layers as a GPU runs them (a Python loop over per-layer parameters, q/k/v and gate/up fused, not the
     # CPU's scan over stacked ones): the same tokens, with the KV in device and in host memory.
     with ckv.kernels.forced_layer_loop("unrolled"):
@@ -143,6 +150,9 @@ def test_policies_run_and_offloading_changes_nothing(case):
         assert "qkv" in gpu_layout.params["layers"][0], name
         assert _generate(gpu_layout, ids, small)[0] == on_device, name
         assert _generate(gpu_layout, ids, ckv.ClusterKV(budget=24, offload=True, **SMALL))[0] == on_device, name
+        shared = ckv.prefill_prompts(gpu_layout, ids, NEW, max_length=256)  # a group per layer
+        assert _generate(gpu_layout, ids, ckv.ClusterKV(budget=24, offload=True, **SMALL),
+                         prefilled=shared)[0] == on_device, name
 
 
 @pytest.mark.parametrize("case", ARCHITECTURES, indirect=True)

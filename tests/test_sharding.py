@@ -50,6 +50,13 @@ def test_sharded_generation_equals_unsharded(report, policy):
     assert got["sharded"] == got["plain"]
 
 
+def test_a_shared_prefill_on_the_mesh_gives_each_policy_its_unsharded_tokens(report):
+    """`prefill_prompts(..., mesh=)` once, then ClusterKV on the device and offloaded from it: the ragged batch's
+    tokens of each policy's own unsharded prefill."""
+    got = report["tokens"]["prefilled"]
+    assert got["sharded"] == got["plain"]
+
+
 def test_clusterkv_selection_really_drops_tokens(report):
     """Otherwise the ClusterKV comparisons above would only re-test full attention; the kernels decode as the
     pure-JAX path does."""

@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from clusterkv_jax.policies import make_policy
 from clusterkv_jax.eval.ppl import check_span, window_offsets
 from clusterkv_jax.generate import generate
+from clusterkv_jax.prompts import prefill_prompts
 from clusterkv_jax.policies import FullKV
 
 
@@ -21,13 +22,19 @@ def run_agreement(model, token_ids: list[int], *, context: int, new_tokens: int,
     check_span(model.config, context, new_tokens, "--new-tokens")
     offsets = window_offsets(len(token_ids), context, samples)
     prompts = [token_ids[o : o + context] for o in offsets]
-    reference = generate(model, prompts, new_tokens, FullKV(), stop_at_eos=False).tokens
+    shared = prefill_prompts(model, prompts, new_tokens)  # one prefill for the policies that index by keys
+
+    def tokens(policy):
+        prefilled = shared if shared.serves(policy) else None
+        return generate(model, prompts, new_tokens, policy, stop_at_eos=False, prefilled=prefilled).tokens
+
+    reference = tokens(FullKV())
     results: dict[str, Any] = {"metric": "agreement", "context": context, "new_tokens": new_tokens,
                                "samples": samples, "token_agreement": {}, "sequence_agreement": {}}
     runs = [(n, b) for n in policy_names if n != "full" for b in budgets]
     for name, budget in tqdm(runs, desc="agreement: policy x budget", disable=not progress, file=sys.stderr):
         policy = make_policy(name, budget, **(policy_options or {}).get(name, {}))
-        got = generate(model, prompts, new_tokens, policy, stop_at_eos=False).tokens
+        got = tokens(policy)
         same = np.array([[a == b for a, b in zip(g, r)] for g, r in zip(got, reference)])
         results["token_agreement"].setdefault(name, {})[str(budget)] = float(same.mean())
         results["sequence_agreement"].setdefault(name, {})[str(budget)] = float(same.all(axis=1).mean())

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from clusterkv_jax.eval.metrics import score
 from clusterkv_jax.policies import make_policy, parse_choices
 from clusterkv_jax.generate import generate
+from clusterkv_jax.prompts import prefill_prompts
 
 LONGBENCH_TASKS = ("narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "gov_report",
                    "triviaqa")
@@ -159,22 +160,30 @@ def fitted_prompt_ids(tokenizer, dataset: str, sample: dict[str, Any], max_lengt
         length = max(16, min(length, len(ids)) - excess)
 
 
-def generate_batched(model, prompts: list[list[int]], max_new_tokens: int, policy, batch_size: int,
-                     progress_bar=None) -> list[str]:
-    """Greedy texts for every prompt, in batches of similar length; the last batch is padded with copies of
-    its first prompt so that every call has the same batch size (no recompilation for a remainder)."""
+def generate_batched(model, prompts: list[list[int]], max_new_tokens: int, policies: list, batch_size: int,
+                     progress_bar=None) -> list[list[str]]:
+    """Greedy texts for every prompt under each policy ([policy][prompt]), in batches of similar length; the last
+    batch is padded with copies of its first prompt so that every call has the same batch size (no recompilation
+    for a remainder). Each batch is prefilled once for the policies that index the prompt by its keys
+    (`prefill_prompts`); a policy that needs the prompt's queries prefills it itself."""
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     size = max(1, min(batch_size, len(prompts)))
-    texts: list[str | None] = [None] * len(prompts)
+    texts: list[list[str | None]] = [[None] * len(prompts) for _ in policies]
     for start in range(0, len(order), size):
         chunk = order[start : start + size]
         batch = [prompts[i] for i in chunk]
         batch += [batch[0]] * (size - len(batch))
-        result = generate(model, batch, max_new_tokens, policy)
-        for i, text in zip(chunk, result.texts):
-            texts[i] = text
-        if progress_bar is not None:
-            progress_bar.update(1)
+        shared = None
+        if any(not p.prompt_queries for p in policies):
+            shared = prefill_prompts(model, batch, max_new_tokens)
+        for j, policy in enumerate(policies):
+            prefilled = shared if shared is not None and shared.serves(policy) else None
+            result = generate(model, batch, max_new_tokens, policy, prefilled=prefilled)
+            for i, text in zip(chunk, result.texts):
+                texts[j][i] = text
+            if progress_bar is not None:
+                progress_bar.update(1)
+        del shared  # its K/V, before the next batch's
     return texts  # type: ignore[return-value]
 
 
@@ -222,21 +231,22 @@ def run_longbench(model, data_dir: str, tasks: Sequence[str], max_length: int, b
         "max_new_tokens": gen_len, "budgets": budgets, "policy_options": policy_options or {},
         "scores": {}, "average": {}, "predictions": {},
     }
-    bar = tqdm(total=calls, desc="longbench: policy x batch", disable=not progress, file=sys.stderr)
-    for name, budget in runs:
-        policy = make_policy(name, budget or 0, **(policy_options or {}).get(name, {}))
-        preds: dict[str, list[str]] = {t: [""] * len(data[t]) for t in tasks}
-        for length, members in groups.items():
-            texts = generate_batched(model, [prompts[t][i] for t, i in members], length, policy, batch_size, bar)
-            for (t, i), text in zip(members, texts):
-                preds[t][i] = text
-        row = {t: score(t, preds[t], [s["answers"] for s in data[t]], data[t][0].get("all_classes"))
+    bar = tqdm(total=calls, desc="longbench: batch x policy", disable=not progress, file=sys.stderr)
+    policies = [make_policy(name, budget or 0, **(policy_options or {}).get(name, {})) for name, budget in runs]
+    preds = [{t: [""] * len(data[t]) for t in tasks} for _ in runs]  # per run
+    for length, members in groups.items():
+        texts = generate_batched(model, [prompts[t][i] for t, i in members], length, policies, batch_size, bar)
+        for run_preds, run_texts in zip(preds, texts):
+            for (t, i), text in zip(members, run_texts):
+                run_preds[t][i] = text
+    for (name, budget), run_preds in zip(runs, preds):
+        row = {t: score(t, run_preds[t], [s["answers"] for s in data[t]], data[t][0].get("all_classes"))
                for t in tasks}
         row["average"] = round(sum(row[t] for t in tasks) / len(tasks), 2)
         for b in (budgets if name == "full" else [budget]):
             results["scores"].setdefault(name, {})[str(b)] = row
             results["average"].setdefault(name, {})[str(b)] = row["average"]
-        results["predictions"][name if name == "full" else f"{name}@{budget}"] = preds
+        results["predictions"][name if name == "full" else f"{name}@{budget}"] = run_preds
     bar.close()
     return results
 

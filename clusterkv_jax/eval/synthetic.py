@@ -237,15 +237,15 @@ def run_synthetic(model, contexts: Sequence[int], samples: int, budgets: list[in
         "depths": {str(c): {t: [round(s["depth"], 4) for s in data[c][t]] for t in tasks} for c in contexts},
         "scores": {}, "accuracy": {}, "predictions": {},
     }
-    bar = tqdm(total=calls, desc="synthetic: context x policy x batch", disable=not progress, file=sys.stderr)
+    bar = tqdm(total=calls, desc="synthetic: context x batch x policy", disable=not progress, file=sys.stderr)
+    policies = [make_policy(name, budget or 0, **(policy_options or {}).get(name, {})) for name, budget in runs]
     for c in contexts:
         members = [(t, i) for t in tasks for i in range(samples)]
         prompts = [data[c][t][i]["prompt_ids"] for t, i in members]
-        for name, budget in runs:
-            policy = make_policy(name, budget or 0, **(policy_options or {}).get(name, {}))
-            texts = generate_batched(model, prompts, max_new_tokens, policy, batch_size, bar)
+        texts = generate_batched(model, prompts, max_new_tokens, policies, batch_size, bar)
+        for (name, budget), run_texts in zip(runs, texts):
             preds: dict[str, list[str]] = {t: [] for t in tasks}
-            for (t, i), text in zip(members, texts):
+            for (t, i), text in zip(members, run_texts):
                 preds[t].append(text)
             row: dict[str, float] = {}
             for t in tasks:
