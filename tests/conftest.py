@@ -196,40 +196,71 @@ def smollm2_gguf_path() -> str:
     return path
 
 
-@pytest.fixture(scope="session")
-def hf_smollm2(smollm2_gguf_path, tmp_path_factory):
-    """(model, tokenizer) loaded by transformers from the GGUF, dequantized to float32."""
+def _load_hf_smollm2(gguf_path: str, gguf_dir):
+    """(model, tokenizer) loaded by transformers from the GGUF (linked into `gguf_dir`), dequantized to float32."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf_dir = tmp_path_factory.mktemp("smollm2_gguf")
-    os.symlink(smollm2_gguf_path, gguf_dir / SMOLLM2_GGUF)
+    os.symlink(gguf_path, gguf_dir / SMOLLM2_GGUF)
     model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF)
     return model, tokenizer
 
 
-@pytest.fixture(scope="session")
-def smollm2_hf_dir(hf_smollm2, tmp_path_factory) -> str:
-    """The reference model saved as an ordinary HF safetensors checkpoint."""
-    from transformers import LlamaForCausalLM
+def _built_once(tmp_path_factory, name: str, build) -> str:
+    """The directory `name` that `build(path)` fills, built once per test run and shared by its xdist workers
+    (their temporary directories share a parent): the first worker to ask builds it under a file lock, the others
+    wait for it and reuse it. A build that fails leaves nothing behind, so the next one tries again."""
+    import fcntl
 
-    model, tokenizer = hf_smollm2
-    out = tmp_path_factory.mktemp("smollm2_hf")
-    # transformers refuses save_pretrained on a GGUF-loaded model; copy the weights into a plain one.
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    plain = LlamaForCausalLM(config)
-    plain.load_state_dict(model.state_dict())
-    plain.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    out, done = root / name, root / f"{name}.done"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir()
+            try:
+                build(out)
+            except BaseException:
+                shutil.rmtree(out, ignore_errors=True)
+                raise
+            done.touch()
     return str(out)
 
 
 @pytest.fixture(scope="session")
+def hf_smollm2(smollm2_gguf_path, tmp_path_factory):
+    """(model, tokenizer) loaded by transformers from the GGUF, dequantized to float32."""
+    return _load_hf_smollm2(smollm2_gguf_path, tmp_path_factory.mktemp("smollm2_gguf"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_dir(smollm2_gguf_path, tmp_path_factory) -> str:
+    """The reference model saved as an ordinary HF safetensors checkpoint (once for all xdist workers)."""
+
+    def build(out):
+        from transformers import LlamaForCausalLM
+
+        model, tokenizer = _load_hf_smollm2(smollm2_gguf_path, tmp_path_factory.mktemp("smollm2_gguf"))
+        # transformers refuses save_pretrained on a GGUF-loaded model; copy the weights into a plain one.
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        plain = LlamaForCausalLM(config)
+        plain.load_state_dict(model.state_dict())
+        plain.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+
+    return _built_once(tmp_path_factory, "smollm2_hf", build)
+
+
+@pytest.fixture(scope="session")
 def smollm2_converted_dir(smollm2_hf_dir, tmp_path_factory) -> str:
-    """SmolLM2 converted from the HF directory to our format, float32."""
+    """SmolLM2 converted from the HF directory to our format, float32 (once for all xdist workers)."""
     from checkpoints_convert import convert_hf
 
-    return convert_hf(smollm2_hf_dir, tmp_path_factory.mktemp("smollm2_ckpt") / "converted", dtype="float32")
+    return _built_once(tmp_path_factory, "smollm2_ckpt",
+                       lambda out: convert_hf(smollm2_hf_dir, out / "converted", dtype="float32")) + "/converted"
