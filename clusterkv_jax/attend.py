@@ -55,8 +55,8 @@ GATHER_TILE_BYTES = 8 << 20
 class DecodeProbe:
     """A policy that measures each decode step rather than selects (the recall evaluation's probe,
     `clusterkv_jax.eval.recall`, the notebook's record of ClusterKV's selections): before a selecting layer attends,
-    `decode_selecting` hands it the step's queries, and the layer's state is written back after every step. No other
-    policy's step calls anything for it."""
+    `SelectingLayers.decode` hands it the step's queries, and the layer's state is written back after every step.
+    No other policy's step calls anything for it."""
 
     def observe_decode(self, state: Any, q: jax.Array, view, lengths: jax.Array, prompt_lengths: jax.Array) -> Any:
         """The step's queries q [B, N, H] and the layer's store `view` (see `clusterkv_jax.store`), before the
@@ -216,11 +216,15 @@ class SelectingLayers(FullLayers):
         """This token's K/V [B, K, H] go to the row the policy's layout keeps its position in."""
         policy, S = step.policy, step.capacity
         view = store.write_token(i, policy.layout.token_rows(state, step.lengths, S), k[:, 0], v[:, 0]).layer(i, S)
+        if isinstance(policy, DecodeProbe):  # measures the step before the layer attends; its state changes each step
+            with jax.named_scope("probe"):
+                probed = policy.observe_decode(state, q[:, 0], view, step.lengths + 1, step.prompt_lengths)
+            out, _, view = decode_selecting(policy, probed, q[:, 0], view, step.lengths + 1, step.prompt_lengths,
+                                            step.cap)
+            return out[:, None], view.store, probed, None
         out, new_state, view = decode_selecting(policy, state, q[:, 0], view, step.lengths + 1, step.prompt_lengths,
                                                 step.cap)
-        # A probe's state changes every step, whatever its policy says of its index.
-        changed = None if isinstance(policy, DecodeProbe) else policy.decode_changed_state(state, new_state)
-        return out[:, None], view.store, new_state, changed
+        return out[:, None], view.store, new_state, policy.decode_changed_state(state, new_state)
 
 
 #: How each kind of layer group (`clusterkv_jax.cache.LayerGroup.attention`) stores and attends in each step.
@@ -562,9 +566,6 @@ def decode_selecting(policy, state, q: jax.Array, view, lengths: jax.Array, prom
     """One selecting layer's decode attention, from its store `view` (this layer, the new token's row written;
     its window indexed before the step: `index_windows`): q [B, N, H], lengths [B] the new token included,
     scores soft-capped by `cap`. Returns (output [B, N, H] float32, state, view)."""
-    if isinstance(policy, DecodeProbe):
-        with jax.named_scope("probe"):
-            state = policy.observe_decode(state, q, view, lengths, prompt_lengths)
     if policy.covers(view.positions):
         return attend_everything(policy, state, q, view, lengths, cap), state, view
     # Whether every indexed token fits the selection is known only on the device. Where a branch waits for the
