@@ -406,12 +406,10 @@ def copy_prompt(cache, full, *, policy):
     groups = []
     for group in cache.groups:
         source, layers = _source_of(full, group.layers)  # keys and values [n', B, K, R, H], and each layer's index
-        if group.windowed and source.store.k.shape == group.store.k.shape and list(layers) == list(range(len(layers))):
-            groups.append(group.replace(store=group.store.replace(k=source.store.k, v=source.store.v)))
-        elif group.windowed:
-            groups.append(group.replace(store=group.store.replace(
-                k=jnp.take(source.store.k, jnp.asarray(layers), axis=0),
-                v=jnp.take(source.store.v, jnp.asarray(layers), axis=0))))
+        if group.windowed:  # the same ring under every policy
+            at = jnp.asarray(layers, jnp.int32)
+            groups.append(group.replace(store=group.store.replace(k=jnp.take(source.store.k, at, axis=0),
+                                                                  v=jnp.take(source.store.v, at, axis=0))))
         else:
             groups.append(_store_prompt(policy, group, source.store.k, source.store.v, layers, full.lengths,
                                         cache.capacity))

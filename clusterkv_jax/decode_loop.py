@@ -48,20 +48,23 @@ def _start(params, tokens, lengths, sampling: Sampling, key, eos_ids, pad_id, *,
            prefill_chunk: int | None = None) -> DecodeLoop:
     """Prefill (in chunks of `prefill_chunk` tokens, if given) and the first sampled token: the decode loop's
     starting state."""
+    logits, cache = _prefill(params, tokens, lengths, config, policy, capacity, cache_dtype, sharding, prefill_chunk)
+    return _first_token(logits, cache, sampling, key, eos_ids, pad_id, max_new_tokens)
+
+
+def _prefill(params, tokens, lengths, config: ModelConfig, policy: KVPolicy, capacity: int, cache_dtype: Any,
+             sharding, prefill_chunk: int | None):
+    """A new cache for `policy` filled by a prefill: (logits [B, V] at each prompt's last token, the cache)."""
     pin = functools.partial(pin_cache, config=config, policy=policy, sharding=sharding)
     cache = pin(init_cache(config, policy, tokens.shape[0], capacity, cache_dtype))
     logits, cache = forward_prefill(params, config, policy, tokens, lengths, cache, chunk=prefill_chunk)
-    return _first_token(logits, pin(cache), sampling, key, eos_ids, pad_id, max_new_tokens)
+    return logits, pin(cache)
 
 
 def _prefill_full(params, tokens, lengths, *, config: ModelConfig, capacity: int, cache_dtype: Any, sharding=None,
                   prefill_chunk: int | None = None):
     """A full-KV prefill for `start_prefilled`: (logits [B, V] at each prompt's last token, the full-KV cache)."""
-    policy = FullKV()
-    pin = functools.partial(pin_cache, config=config, policy=policy, sharding=sharding)
-    cache = pin(init_cache(config, policy, tokens.shape[0], capacity, cache_dtype))
-    logits, cache = forward_prefill(params, config, policy, tokens, lengths, cache, chunk=prefill_chunk)
-    return logits, pin(cache)
+    return _prefill(params, tokens, lengths, config, FullKV(), capacity, cache_dtype, sharding, prefill_chunk)
 
 
 def _start_prefilled(full, logits, sampling: Sampling, key, eos_ids, pad_id, *, config: ModelConfig,

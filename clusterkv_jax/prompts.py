@@ -119,7 +119,8 @@ class Prefilled:
     seconds: float  # the compiled prefill, until its result was ready
     compile_seconds: float
 
-    def serves(self, policy: KVPolicy) -> bool:
+    @staticmethod
+    def serves(policy: KVPolicy) -> bool:
         """Whether `policy` can start from this prefill: it indexes the prompt by its keys, not its queries."""
         return not policy.prompt_queries
 

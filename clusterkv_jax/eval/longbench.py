@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from clusterkv_jax.eval.metrics import score
 from clusterkv_jax.policies import make_policy, parse_choices
 from clusterkv_jax.generate import generate
-from clusterkv_jax.prompts import prefill_prompts
+from clusterkv_jax.prompts import Prefilled, prefill_prompts
 
 LONGBENCH_TASKS = ("narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "gov_report",
                    "triviaqa")
@@ -174,10 +174,10 @@ def generate_batched(model, prompts: list[list[int]], max_new_tokens: int, polic
         batch = [prompts[i] for i in chunk]
         batch += [batch[0]] * (size - len(batch))
         shared = None
-        if any(not p.prompt_queries for p in policies):
+        if any(map(Prefilled.serves, policies)):
             shared = prefill_prompts(model, batch, max_new_tokens)
         for j, policy in enumerate(policies):
-            prefilled = shared if shared is not None and shared.serves(policy) else None
+            prefilled = shared if Prefilled.serves(policy) else None
             result = generate(model, batch, max_new_tokens, policy, prefilled=prefilled)
             for i, text in zip(chunk, result.texts):
                 texts[j][i] = text
