@@ -568,12 +568,13 @@ def decode_selecting(policy, state, q: jax.Array, view, lengths: jax.Array, prom
         return attend_everything(policy, state, q, view, lengths, cap), state, view
     # Whether every indexed token fits the selection is known only on the device. Where a branch waits for the
     # host (a GPU), the selection is attended anyway: with every cluster selected whole it holds the same tokens.
-    everything = (None if view.store.on_host or kernels.branches_wait_for_host()
+    # A view whose reads change it (a host store's recall cache) is not read inside a branch.
+    everything = (None if not view.read_only or kernels.branches_wait_for_host()
                   else policy.covers_now(state, lengths, prompt_lengths))
     if everything is None:
         out, view = attend_selected(policy, state, q, view, lengths, prompt_lengths, cap)
         return out, state, view
-    # A store in device memory is only read here, so the branches return the output alone.
+    # The view is only read here (`read_only`), so the branches return the output alone.
     out = jax.lax.cond(jnp.all(everything), lambda: attend_everything(policy, state, q, view, lengths, cap),
                        lambda: attend_selected(policy, state, q, view, lengths, prompt_lengths, cap)[0])
     return out, state, view
@@ -599,9 +600,10 @@ def attend_selected(policy, state, q: jax.Array, view, lengths: jax.Array, promp
     W, ring = policy.window_size(S), policy.layout.ring_window
     start = policy.window_start(state, lengths, prompt_lengths) if W else None
     ring_mask = ring_window_mask(lengths, start, W, S) if W and ring else None
-    # The store rows can be read where they lie: a device store, a ring window (or none), no multi-device mesh
-    # (the page table and the tiles address the whole store; under a mesh the rows are gathered per shard).
-    whole_store = isinstance(view, DeviceLayer) and (not W or ring) and not kernels.on_a_mesh()
+    # The store rows can be read where they lie: a view that reads in place (a device store), a ring window (or
+    # none), no multi-device mesh (the page table and the tiles address the whole store; under a mesh the rows are
+    # gathered per shard).
+    whole_store = view.reads_in_place and (not W or ring) and not kernels.on_a_mesh()
     impl = kernels.resolve(policy.kernels, "selected_attention")
     if whole_store and impl != "reference" and cap is None and can_attend_in_place(view, selection, W):
         with jax.named_scope("attend"):

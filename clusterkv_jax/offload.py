@@ -382,6 +382,8 @@ def pack_misses(starts, slot, miss, miss_number, kv_heads: int, slots: int, n: i
 class HostLayer(LayerView):
     """One layer of a HostKV."""
 
+    read_only = False  # `read` fills and counts the recall cache
+
     def _stream(self, store):
         """The whole layer, sliced on the host and moved to the device: [B, K, R, H]."""
         at = to_host(self.index)

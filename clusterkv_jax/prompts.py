@@ -114,6 +114,7 @@ class Prefilled:
     cache: KVCache  # the prompts' K/V under full KV, room for max_new_tokens more
     logits: jax.Array  # [B, V] at each prompt's last token
     config: ModelConfig
+    params: Any  # the weights that made the K/V (held by reference: a generate call must run with the same)
     prefill_chunk: int | None
     rules: Any  # ShardingRules, or None without a mesh
     seconds: float  # the compiled prefill, until its result was ready
@@ -127,8 +128,9 @@ class Prefilled:
     def batch_for(self, model, ids, max_new_tokens: int, policy: KVPolicy, *, cache_dtype, mesh, prefill_chunk,
                    max_length) -> PromptBatch:
         """The batch a `generate` call with these arguments runs from this prefill; refuses what does not match."""
-        if model.config != self.config:
-            raise ValueError("prefilled was prefilled by another model")
+        if model.config != self.config or not _same_arrays(model.params, self.params):
+            raise ValueError("prefilled was prefilled by another model (another config or other weights): "
+                             "prefill_prompts with the model you generate with")
         if ids != self.ids:
             which = next((i for i, (a, b) in enumerate(zip(ids, self.ids)) if a != b), min(len(ids), len(self.ids)))
             raise ValueError(f"prefilled holds other prompts: {len(self.ids)} prompt(s) prefilled, {len(ids)} given, "
@@ -184,8 +186,15 @@ def prefill_prompts(
     with waiting_for_peers("prefill"):
         logits, cache = jax.block_until_ready(prefill_full(*args, **static))
     return Prefilled(ids=batch.ids, max_new_tokens=int(max_new_tokens), cache=cache, logits=logits,
-                     config=model.config, prefill_chunk=batch.prefill_chunk, rules=batch.rules,
+                     config=model.config, params=model.params, prefill_chunk=batch.prefill_chunk, rules=batch.rules,
                      seconds=time.perf_counter() - compiled, compile_seconds=compiled - start)
+
+
+def _same_arrays(a, b) -> bool:
+    """Whether two parameter trees hold the very same arrays: the check is by identity, so it costs nothing, and
+    weights loaded twice count as other weights (their values are not compared)."""
+    leaves_a, leaves_b = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    return len(leaves_a) == len(leaves_b) and all(x is y for x, y in zip(leaves_a, leaves_b))
 
 
 def _check_room(longest: int, max_new_tokens: int, max_length, config: ModelConfig) -> None:

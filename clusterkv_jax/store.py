@@ -36,6 +36,9 @@ The protocol (`layer` is the layer's index inside the group, a traced int):
         view.commit_window(rows, dest) -> view  copies window rows [B, W] to rows dest [B, K, W] (dest out of
                                                 range: nothing copied)
         view.store                              the store after the reads (HostKV keeps a recall cache)
+        view.read_only, view.reads_in_place     what attention may do with the view: read it inside a branch that
+                                                returns no view; read its rows in place, addressing the whole
+                                                store (a device layer's `pages`, `read_pairs`, `ring_pairs`)
     store.nbytes()                              {"device": bytes, "host": bytes} actually held
 
 A device layer also reads what the other ways of attending need: a tile of (sequence, KV head) pairs
@@ -93,6 +96,14 @@ class LayerView:
     store: KVStore
     index: jax.Array  # [] int32 the layer inside the store's group
     positions: int  # S, the cache's capacity in positions (the store may have more rows than positions)
+
+    #: Whether reads leave the store as it was, so a branch of a step may read it and return the output alone (a
+    #: host store's reads fill and count its recall cache).
+    read_only = True
+    #: Whether attention may read this layer's rows where they lie, addressing the whole store: as pages for a page
+    #: table (`pages`) or a tile of (sequence, KV head) pairs at a time (`read_pairs`, `ring_pairs`). A host
+    #: store's rows are reached through its recall cache (`read`) alone.
+    reads_in_place = False
 
     def key_blocks(self, starts: jax.Array, chunk: int) -> jax.Array:
         """Keys of blocks of `chunk` rows from starts [B, K, n] (each a multiple of `chunk`; a KV head's own
@@ -156,6 +167,8 @@ class DeviceKV(KVStore):
 
 class DeviceLayer(LayerView):
     """One layer of a DeviceKV."""
+
+    reads_in_place = True
 
     def keys(self) -> jax.Array:
         return jax.lax.dynamic_index_in_dim(self.store.k, self.index, keepdims=False)

@@ -249,6 +249,10 @@ def test_a_shared_prefill_refuses_what_it_does_not_hold():
     with pytest.raises(ValueError, match="another model"):
         generate(Model(dataclasses.replace(CFG, rope_theta=CFG.rope_theta * 2), PARAMS, None), prompts, 4,
                  prefilled=shared)
+    other_weights = jax.tree_util.tree_map(lambda x: x * 2, PARAMS)  # the same config
+    with pytest.raises(ValueError, match="another model.*other weights"):
+        generate(Model(CFG, other_weights, tokenizer=None), prompts, 4, prefilled=shared)
+    generate(Model(CFG, PARAMS, tokenizer=None), prompts, 4, prefilled=shared)  # another Model of the same weights
     with pytest.raises(TypeError, match="prefill_prompts"):
         generate(model, prompts, 4, prefilled="yes")
 
