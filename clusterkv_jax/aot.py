@@ -239,9 +239,12 @@ def prefilled_program(config, policy, *, device, batch: int, context: int, decod
     `context`-token prompt (`generate(..., prefilled=)`) and the first token sampled."""
     from clusterkv_jax.decode_loop import start_prefilled
     from clusterkv_jax.policies import FullKV
+    from clusterkv_jax.policies.full import FullKVKeepingQueries
     from clusterkv_jax.sampling import Sampling
 
-    full = target_cache(config, FullKV(), device=device, batch=batch, context=context, decode_room=decode_room,
+    n = policy.prompt_queries
+    source = FullKVKeepingQueries(prompt_queries=n) if n else FullKV()
+    full = target_cache(config, source, device=device, batch=batch, context=context, decode_room=decode_room,
                         dtype=dtype)
     logits = jax.ShapeDtypeStruct((batch, config.vocab_size), jnp.float32)
     sampling = jax.eval_shape(lambda: Sampling.make(0.0, 0, 1.0))

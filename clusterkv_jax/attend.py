@@ -398,8 +398,9 @@ def copy_prompt(cache, full, *, policy):
     that prompt would store, without running the model again. The prefill's attention is causal over the prompt
     whatever the policy, so its K/V are too. A windowed layer's ring is the same in both; every other layer's
     rows [0, S) are stored as a prefill stores them (`store_prompt`: a selecting layer's indexed by the policy
-    first), read from `full`'s store in place. Not for policies that index by the prompt's queries."""
-    _check_keys_suffice(policy, "a shared prefill")
+    first), read from `full`'s store in place. A policy that indexes by the prompt's last n queries
+    (`prompt_queries`) is handed them from `full`'s layer states first, which must keep at least n
+    (`policies.full.FullKVKeepingQueries`)."""
     if full.capacity != cache.capacity or full.batch_size != cache.batch_size:
         raise ValueError(f"the prefilled cache holds {full.batch_size} sequence(s) of {full.capacity} positions, "
                          f"the new one {cache.batch_size} of {cache.capacity}")
@@ -411,9 +412,23 @@ def copy_prompt(cache, full, *, policy):
             groups.append(group.replace(store=group.store.replace(k=jnp.take(source.store.k, at, axis=0),
                                                                   v=jnp.take(source.store.v, at, axis=0))))
         else:
+            queries = _kept_queries(source, policy.prompt_queries) if group.selecting else None
             groups.append(_store_prompt(policy, group, source.store.k, source.store.v, layers, full.lengths,
-                                        cache.capacity))
+                                        cache.capacity, queries))
     return cache.replace(groups=tuple(groups), lengths=full.lengths, prompt_lengths=full.prompt_lengths)
+
+
+def _kept_queries(source, n: int):
+    """The last n prompt queries that a prefilled group's layers kept, [n', B, N, n, H] (slot j: position
+    L - n + j), or None for n = 0."""
+    if not n:
+        return None
+    kept = getattr(source.state, "queries", None)
+    held = 0 if kept is None else kept.shape[-2]
+    if held < n:
+        raise ValueError(f"the policy indexes the prompt by its last {n} queries; the shared prefill kept {held} "
+                         f"(prefill_prompts(..., prompt_queries={n}) keeps them)")
+    return kept[..., held - n:, :]
 
 
 def _check_keys_suffice(policy, what: str) -> None:
@@ -433,13 +448,19 @@ def _source_of(full, layers):
     return group, tuple(i for _, i in places)
 
 
-def _store_prompt(policy, group, keys, values, layers, lengths, capacity: int):
+def _store_prompt(policy, group, keys, values, layers, lengths, capacity: int, queries=None):
     """The group with a prompt's K/V stored as a prefill stores them (its kind's `store_prompt`, one scanned
     layer at a time): layer j of the group's from keys[layers[j]], values[layers[j]] ([L, B, K, T, H]), read
-    inside the loop, so the group's K/V are not copied out first."""
+    inside the loop, so the group's K/V are not copied out first. queries [L', B, N, n, H] (the prompt's last
+    n, for a policy with `prompt_queries` n): layer j's, queries[layers[j]], are observed first, as a prefill
+    observes them (`observe_prompt_queries`)."""
     def body(store, xs):
         i, at, state = xs
         k, v = (jax.lax.dynamic_index_in_dim(x, at, keepdims=False) for x in (keys, values))
+        if queries is not None:
+            n = queries.shape[-2]
+            found = lengths[:, None] - n + jnp.arange(n, dtype=jnp.int32) >= 0  # [B, n] slots inside the prompt
+            state = policy.observe_queries(state, jax.lax.dynamic_index_in_dim(queries, at, keepdims=False), found)
         return LAYERS[group.attention].store_prompt(policy, store, state, i, k, v, lengths, capacity)
 
     n = group.num_layers

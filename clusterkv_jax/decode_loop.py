@@ -23,6 +23,7 @@ from clusterkv_jax.config import ModelConfig
 from clusterkv_jax.distributed import agreed, to_host
 from clusterkv_jax.model import forward_decode, forward_prefill
 from clusterkv_jax.policies import FullKV, KVPolicy
+from clusterkv_jax.policies.full import FullKVKeepingQueries
 from clusterkv_jax.sampling import Sampling, sample_tokens
 from clusterkv_jax.steps import in_mesh_scope, index_due, pin_cache
 
@@ -62,9 +63,11 @@ def _prefill(params, tokens, lengths, config: ModelConfig, policy: KVPolicy, cap
 
 
 def _prefill_full(params, tokens, lengths, *, config: ModelConfig, capacity: int, cache_dtype: Any, sharding=None,
-                  prefill_chunk: int | None = None):
-    """A full-KV prefill for `start_prefilled`: (logits [B, V] at each prompt's last token, the full-KV cache)."""
-    return _prefill(params, tokens, lengths, config, FullKV(), capacity, cache_dtype, sharding, prefill_chunk)
+                  prefill_chunk: int | None = None, prompt_queries: int = 0):
+    """A full-KV prefill for `start_prefilled`: (logits [B, V] at each prompt's last token, the full-KV cache).
+    `prompt_queries` n > 0: each layer also keeps the prompt's last n queries (`FullKVKeepingQueries`)."""
+    policy = FullKVKeepingQueries(prompt_queries=prompt_queries) if prompt_queries else FullKV()
+    return _prefill(params, tokens, lengths, config, policy, capacity, cache_dtype, sharding, prefill_chunk)
 
 
 def _start_prefilled(full, logits, sampling: Sampling, key, eos_ids, pad_id, *, config: ModelConfig,
@@ -139,7 +142,8 @@ _DECODE_STATIC = ("config", "policy", "max_new_tokens", "sharding")
 start_generation = jax.jit(in_mesh_scope(_start), static_argnames=_START_STATIC)
 #: A prefill under full KV that several policies start from: (params, tokens, lengths) -> (logits, cache).
 prefill_full = jax.jit(in_mesh_scope(_prefill_full),
-                       static_argnames=("config", "capacity", "cache_dtype", "sharding", "prefill_chunk"))
+                       static_argnames=("config", "capacity", "cache_dtype", "sharding", "prefill_chunk",
+                                        "prompt_queries"))
 #: `start_generation` from a shared prefill: (full, logits, sampling, key, eos_ids, pad_id) -> DecodeLoop, `full`
 #: and `logits` from `clusterkv_jax.generate.prefill_prompts`.
 start_prefilled = jax.jit(in_mesh_scope(_start_prefilled),

@@ -106,7 +106,8 @@ def generate(
     policy stores and indexes the prompts' K/V it holds, so several policies answer the same prompts for the cost
     of one prefill, with the tokens each would generate after its own (its `prefill_seconds` then times storing
     and indexing them). It fixes the capacity, cache dtype, mesh and chunking; a policy that indexes by the
-    prompt's queries (`prefilled.serves(policy)` is False: SnapKV, InfiniGen) needs a prefill of its own.
+    prompt's last n queries (SnapKV, InfiniGen) needs a prefill that kept them (`prefill_prompts(...,
+    prompt_queries=n)`; `prefilled.serves(policy)`).
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
         raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")

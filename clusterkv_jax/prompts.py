@@ -107,10 +107,12 @@ def prompt_batch(model, prompts, max_new_tokens: int, chat: bool, add_special_to
 @dataclasses.dataclass(frozen=True)
 class Prefilled:
     """One full-KV prefill of a batch of prompts that `generate(..., prefilled=)` starts from under any policy that
-    indexes the prompt by its keys alone (`serves`). Made by `prefill_prompts`."""
+    indexes the prompt by its keys, or by at most its last `prompt_queries` queries (`serves`). Made by
+    `prefill_prompts`."""
 
     ids: list[list[int]]  # each prompt's token ids
     max_new_tokens: int  # the most tokens a generate call from it may add
+    prompt_queries: int  # each layer's last prompt queries kept (0: none)
     cache: KVCache  # the prompts' K/V under full KV, room for max_new_tokens more
     logits: jax.Array  # [B, V] at each prompt's last token
     config: ModelConfig
@@ -120,10 +122,10 @@ class Prefilled:
     seconds: float  # the compiled prefill, until its result was ready
     compile_seconds: float
 
-    @staticmethod
-    def serves(policy: KVPolicy) -> bool:
-        """Whether `policy` can start from this prefill: it indexes the prompt by its keys, not its queries."""
-        return not policy.prompt_queries
+    def serves(self, policy: KVPolicy) -> bool:
+        """Whether `policy` can start from this prefill: it indexes the prompt by its keys, or by no more of its
+        last queries than the prefill kept."""
+        return policy.prompt_queries <= self.prompt_queries
 
     def batch_for(self, model, ids, max_new_tokens: int, policy: KVPolicy, *, cache_dtype, mesh, prefill_chunk,
                    max_length) -> PromptBatch:
@@ -139,8 +141,9 @@ class Prefilled:
             raise ValueError(f"max_new_tokens={max_new_tokens} exceeds the {self.max_new_tokens} the prompts were "
                              "prefilled for (prefill_prompts(..., max_new_tokens=))")
         if not self.serves(policy):
-            raise ValueError(f"{type(policy).__name__} indexes the prompt by its queries, which a shared prefill does "
-                             "not keep: generate without prefilled= (its own prefill)")
+            n = policy.prompt_queries
+            raise ValueError(f"{type(policy).__name__} indexes the prompt by its last {n} queries; this prefill kept "
+                             f"{self.prompt_queries}: prefill_prompts(..., prompt_queries={n}) keeps them")
         fixed = {"cache_dtype": (cache_dtype, self.cache.dtype, lambda a, b: jnp.dtype(a) == b),
                  "prefill_chunk": (prefill_chunk, self.prefill_chunk, lambda a, b: a == b)}
         for name, (given, held, same) in fixed.items():
@@ -167,25 +170,32 @@ def prefill_prompts(
     cache_dtype: Any = None,
     mesh: Any = None,
     prefill_chunk: int | None = None,
+    prompt_queries: int = 0,
 ) -> Prefilled:
     """Prefills prompts once under full KV, for `generate(model, prompts, n, policy=P, prefilled=...)` under
     several policies (n <= `max_new_tokens`): each then stores and indexes the K/V held here instead of running the
     model over the prompts again, and generates the tokens it would after its own prefill. The arguments are
-    `generate`'s; the result holds the prompts' K/V with room for `max_new_tokens` more, until it is dropped."""
+    `generate`'s; the result holds the prompts' K/V with room for `max_new_tokens` more, until it is dropped.
+    `prompt_queries` n also keeps each layer's last n prompt queries, for the policies that index by them
+    (SnapKV's `window`, InfiniGen's `sample`: `max(p.prompt_queries for p in policies)`)."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if isinstance(prompt_queries, bool) or not isinstance(prompt_queries, (int, np.integer)) or prompt_queries < 0:
+        raise ValueError(f"prompt_queries must be an int >= 0, got {prompt_queries!r}")
     batch = prompt_batch(model, prompts, max_new_tokens, chat, add_special_tokens, max_length, prefill_chunk, mesh)
     if cache_dtype is None:
         cache_dtype = jax.tree_util.tree_leaves(model.params)[0].dtype
     args = (batch.params, batch.tokens, batch.lengths)
     static = dict(config=model.config, capacity=cache_capacity(batch.bucket, max_new_tokens),
-                  cache_dtype=jnp.dtype(cache_dtype), sharding=batch.rules, prefill_chunk=batch.prefill_chunk)
+                  cache_dtype=jnp.dtype(cache_dtype), sharding=batch.rules, prefill_chunk=batch.prefill_chunk,
+                  prompt_queries=int(prompt_queries))
     start = time.perf_counter()
     prefill_full.lower(*args, **static).compile()
     compiled = time.perf_counter()
     with waiting_for_peers("prefill"):
         logits, cache = jax.block_until_ready(prefill_full(*args, **static))
-    return Prefilled(ids=batch.ids, max_new_tokens=int(max_new_tokens), cache=cache, logits=logits,
+    return Prefilled(ids=batch.ids, max_new_tokens=int(max_new_tokens), prompt_queries=int(prompt_queries),
+                     cache=cache, logits=logits,
                      config=model.config, params=model.params, prefill_chunk=batch.prefill_chunk, rules=batch.rules,
                      seconds=time.perf_counter() - compiled, compile_seconds=compiled - start)
 

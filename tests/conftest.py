@@ -82,8 +82,9 @@ CONVERTING_FIXTURES = frozenset({"smollm2_hf_dir", "smollm2_converted_dir", "tin
 
 # The files that take longest (each runs whole in one xdist worker: `make test`'s --dist loadfile), started first
 # so that neither worker is left with one of them at the end. From `pytest --durations=0`.
-LONGEST_FIRST = ("test_families.py", "test_demo.py", "test_reliability.py", "test_bench.py", "test_clusterkv.py",
-                 "test_examples.py", "test_generate.py", "test_multiprocess.py", "test_sharding.py", "test_eval.py")
+LONGEST_FIRST = ("test_families.py", "test_clusterkv.py", "test_multiprocess.py", "test_bench.py", "test_sharding.py",
+                 "test_examples.py", "test_generate.py", "test_reliability.py", "test_eval.py", "test_convert.py",
+                 "test_model.py", "test_demo.py")
 
 
 def pytest_collection_modifyitems(config, items):

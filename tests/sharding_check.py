@@ -105,12 +105,14 @@ def main(out_path: str) -> None:
 
     section("policies")
 
-    # One prefill on the mesh shared by two policies (`prefill_prompts`): each generates its own prefill's tokens.
-    shared = prefill_prompts(model, prompts, NEW, mesh=mesh)
+    # One prefill on the mesh shared by four policies (`prefill_prompts`, keeping the prompts' last 8 queries for
+    # SnapKV and InfiniGen): each generates its own unsharded prefill's tokens.
+    shared = prefill_prompts(model, prompts, NEW, mesh=mesh, prompt_queries=8)
+    served = ("clusterkv", "clusterkv_offload", "snapkv", "infinigen")
     res["tokens"]["prefilled"] = {
-        "plain": [res["tokens"][name]["plain"] for name in ("clusterkv", "clusterkv_offload")],
+        "plain": [res["tokens"][name]["plain"] for name in served],
         "sharded": [generate(model, prompts, NEW, policy=POLICIES[name], prefilled=shared, stop_at_eos=False).tokens
-                    for name in ("clusterkv", "clusterkv_offload")]}
+                    for name in served]}
     del shared
 
     section("prefilled")

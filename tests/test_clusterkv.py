@@ -20,7 +20,7 @@ from clusterkv_jax.sampling import Sampling
 from clusterkv_jax.steps import decode_step, prefill
 from clusterkv_jax.loading import Model
 from clusterkv_jax.model import init_params
-from clusterkv_jax.policies import FullKV, Quest, SnapKV, StreamingLLM
+from clusterkv_jax.policies import FullKV, InfiniGen, Quest, SnapKV, StreamingLLM
 from clusterkv_jax.policies.cluster_select import cluster_scores, rank_and_index
 from clusterkv_jax.policies.clusterkv import ClusterKV, ClusterKVPaper
 from tests.helpers import generation_programs, triton_mode
@@ -217,16 +217,20 @@ def test_generate_with_clusterkv_compiles_once():
 def test_a_shared_prefill_gives_each_policy_the_tokens_of_its_own():
     """`prefill_prompts` once, then `generate(..., prefilled=)` under several policies: on a ragged batch, through
     two decode-time clusterings, each policy generates the tokens of its own prefill, greedy and sampled (the first
-    token drawn from the shared prefill's logits with the call's own key)."""
+    token drawn from the shared prefill's logits with the call's own key). Kept with the prompt's last 24 queries
+    (`prompt_queries`), it serves SnapKV (all 24 vote) and InfiniGen (the last 16 fit its basis) too."""
     model = Model(CFG, PARAMS, tokenizer=None)
     prompts = [TOKENS[0, :180].tolist(), TOKENS[1, :120].tolist()]
     shared = prefill_prompts(model, prompts, 40)
+    with_queries = prefill_prompts(model, prompts, 40, prompt_queries=24)
     runs = []
-    for policy in (ClusterKV(budget=40, **SMALL), StreamingLLM(budget=40), FullKV()):
+    for policy in (ClusterKV(budget=40, **SMALL), StreamingLLM(budget=40), FullKV(), SnapKV(budget=48, window=24),
+                   InfiniGen(budget=40, sample=16)):
         own = generate(model, prompts, 40, policy, stop_at_eos=False).tokens
-        assert generate(model, prompts, 40, policy, prefilled=shared, stop_at_eos=False).tokens == own, policy
+        for prefilled in ([shared] if not policy.prompt_queries else []) + [with_queries]:
+            assert generate(model, prompts, 40, policy, prefilled=prefilled, stop_at_eos=False).tokens == own, policy
         runs.append(own)
-    assert runs[0] != runs[1] and runs[1] != runs[2] and runs[0] != runs[2]  # not one outcome thrice
+    assert len({str(run) for run in runs}) == len(runs)  # not one outcome twice
     sampled = dict(temperature=0.8, seed=3, stop_at_eos=False)
     policy = ClusterKV(budget=40, **SMALL)
     own = generate(model, prompts, 40, policy, **sampled).tokens
@@ -238,8 +242,14 @@ def test_a_shared_prefill_refuses_what_it_does_not_hold():
     model = Model(CFG, PARAMS, tokenizer=None)
     prompts = [[1, 2, 3, 4], [5, 6, 7]]
     shared = prefill_prompts(model, prompts, 4)
-    with pytest.raises(ValueError, match="SnapKV indexes the prompt by its queries"):
+    with pytest.raises(ValueError, match=r"SnapKV indexes the prompt by its last 32 queries; this prefill kept 0: "
+                                         r"prefill_prompts\(..., prompt_queries=32\)"):
         generate(model, prompts, 4, SnapKV(budget=64), prefilled=shared)
+    eight = prefill_prompts(model, prompts, 4, prompt_queries=8)
+    with pytest.raises(ValueError, match="InfiniGen indexes the prompt by its last 64 queries; this prefill kept 8"):
+        generate(model, prompts, 4, InfiniGen(budget=64), prefilled=eight)
+    with pytest.raises(ValueError, match="prompt_queries must be an int >= 0"):
+        prefill_prompts(model, prompts, 4, prompt_queries=-1)
     with pytest.raises(ValueError, match="other prompts.*prompt 1 differs"):
         generate(model, [[1, 2, 3, 4], [5, 6]], 4, prefilled=shared)
     with pytest.raises(ValueError, match="max_new_tokens=5 exceeds the 4"):

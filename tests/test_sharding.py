@@ -51,8 +51,9 @@ def test_sharded_generation_equals_unsharded(report, policy):
 
 
 def test_a_shared_prefill_on_the_mesh_gives_each_policy_its_unsharded_tokens(report):
-    """`prefill_prompts(..., mesh=)` once, then ClusterKV on the device and offloaded from it: the ragged batch's
-    tokens of each policy's own unsharded prefill."""
+    """`prefill_prompts(..., mesh=, prompt_queries=8)` once, then ClusterKV on the device and offloaded from it,
+    SnapKV and InfiniGen (handed the kept queries): the ragged batch's tokens of each policy's own unsharded
+    prefill."""
     got = report["tokens"]["prefilled"]
     assert got["sharded"] == got["plain"]
 

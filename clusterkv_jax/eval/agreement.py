@@ -22,18 +22,20 @@ def run_agreement(model, token_ids: list[int], *, context: int, new_tokens: int,
     check_span(model.config, context, new_tokens, "--new-tokens")
     offsets = window_offsets(len(token_ids), context, samples)
     prompts = [token_ids[o : o + context] for o in offsets]
-    shared = prefill_prompts(model, prompts, new_tokens)  # one prefill for the policies that index by keys
+    runs = [(n, b) for n in policy_names if n != "full" for b in budgets]
+    policies = [make_policy(name, budget, **(policy_options or {}).get(name, {})) for name, budget in runs]
+    # One prefill for every policy, keeping the prompt's last queries for those that index by them.
+    shared = prefill_prompts(model, prompts, new_tokens,
+                             prompt_queries=max([p.prompt_queries for p in policies], default=0))
 
     def tokens(policy):
-        prefilled = shared if shared.serves(policy) else None
-        return generate(model, prompts, new_tokens, policy, stop_at_eos=False, prefilled=prefilled).tokens
+        return generate(model, prompts, new_tokens, policy, stop_at_eos=False, prefilled=shared).tokens
 
     reference = tokens(FullKV())
     results: dict[str, Any] = {"metric": "agreement", "context": context, "new_tokens": new_tokens,
                                "samples": samples, "token_agreement": {}, "sequence_agreement": {}}
-    runs = [(n, b) for n in policy_names if n != "full" for b in budgets]
-    for name, budget in tqdm(runs, desc="agreement: policy x budget", disable=not progress, file=sys.stderr):
-        policy = make_policy(name, budget, **(policy_options or {}).get(name, {}))
+    for (name, budget), policy in tqdm(list(zip(runs, policies)), desc="agreement: policy x budget",
+                                       disable=not progress, file=sys.stderr):
         got = tokens(policy)
         same = np.array([[a == b for a, b in zip(g, r)] for g, r in zip(got, reference)])
         results["token_agreement"].setdefault(name, {})[str(budget)] = float(same.mean())

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from clusterkv_jax.eval.metrics import score
 from clusterkv_jax.policies import make_policy, parse_choices
 from clusterkv_jax.generate import generate
-from clusterkv_jax.prompts import Prefilled, prefill_prompts
+from clusterkv_jax.prompts import prefill_prompts
 
 LONGBENCH_TASKS = ("narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "gov_report",
                    "triviaqa")
@@ -164,21 +164,19 @@ def generate_batched(model, prompts: list[list[int]], max_new_tokens: int, polic
                      progress_bar=None) -> list[list[str]]:
     """Greedy texts for every prompt under each policy ([policy][prompt]), in batches of similar length; the last
     batch is padded with copies of its first prompt so that every call has the same batch size (no recompilation
-    for a remainder). Each batch is prefilled once for the policies that index the prompt by its keys
-    (`prefill_prompts`); a policy that needs the prompt's queries prefills it itself."""
+    for a remainder). Each batch is prefilled once for all the policies (`prefill_prompts`, keeping the prompt's
+    last queries for those that index by them)."""
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     size = max(1, min(batch_size, len(prompts)))
     texts: list[list[str | None]] = [[None] * len(prompts) for _ in policies]
+    queries = max(policy.prompt_queries for policy in policies)
     for start in range(0, len(order), size):
         chunk = order[start : start + size]
         batch = [prompts[i] for i in chunk]
         batch += [batch[0]] * (size - len(batch))
-        shared = None
-        if any(map(Prefilled.serves, policies)):
-            shared = prefill_prompts(model, batch, max_new_tokens)
+        shared = prefill_prompts(model, batch, max_new_tokens, prompt_queries=queries)
         for j, policy in enumerate(policies):
-            prefilled = shared if Prefilled.serves(policy) else None
-            result = generate(model, batch, max_new_tokens, policy, prefilled=prefilled)
+            result = generate(model, batch, max_new_tokens, policy, prefilled=shared)
             for i, text in zip(chunk, result.texts):
                 texts[j][i] = text
             if progress_bar is not None:
