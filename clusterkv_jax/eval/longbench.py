@@ -169,7 +169,7 @@ def generate_batched(model, prompts: list[list[int]], max_new_tokens: int, polic
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     size = max(1, min(batch_size, len(prompts)))
     texts: list[list[str | None]] = [[None] * len(prompts) for _ in policies]
-    queries = max(policy.prompt_queries for policy in policies)
+    queries = max((policy.prompt_queries for policy in policies), default=0)
     for start in range(0, len(order), size):
         chunk = order[start : start + size]
         batch = [prompts[i] for i in chunk]
