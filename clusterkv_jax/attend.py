@@ -40,7 +40,7 @@ import jax.numpy as jnp
 
 from clusterkv_jax import attention, kernels
 from clusterkv_jax.cache import FULL, SELECTING, WINDOWED
-from clusterkv_jax.policies.common import recent_window, ring_window_mask
+from clusterkv_jax.policies.common import recent_window
 from clusterkv_jax.selection import Selection
 from clusterkv_jax.store import DeviceLayer
 
@@ -81,7 +81,7 @@ class Prefill:
     index: bool = True
 
     def attend(self, group, i, store, state, q, k, v):
-        """-> (causal attention [B, T, N, H] (`kernels.prompt_attention`), store, state, None)."""
+        """-> (causal attention [B, T, N, H] (`kernels.prompt_attention`), store, state)."""
         return LAYERS[group.attention].prefill(self, i, store, state, q, k, v)
 
 
@@ -114,8 +114,9 @@ class Decode:
     cap: float | None = None
 
     def attend(self, group, i, store, state, q, k, v):
-        """-> (attention [B, 1, N, H] float32, store, state, changed: whether the state changed, traced, or None:
-        it may have)."""
+        """-> (attention [B, 1, N, H] float32, store, state or None: the step left the layer's state as it was, so
+        nothing is written back; only a `DecodeProbe`'s state changes in a decode step, since windows are indexed
+        between steps, `index_windows`)."""
         return LAYERS[group.attention].decode(self, i, store, state, q, k, v)
 
 
@@ -137,7 +138,7 @@ class WindowedLayers:
         store, state = self.store_prompt(step.policy, store, state, i, *_as_rows(store, k, v), step.lengths,
                                          step.capacity)
         out = kernels.prompt_attention(q, k, v, block=PREFILL_BLOCK, window=store.capacity, cap=step.cap)
-        return out, store, state, None
+        return out, store, state
 
     def prefill_chunk(self, step: PrefillChunk, i, store, state, q, k, v):
         """The chunk attends to the ring (the positions before it) and to itself."""
@@ -149,7 +150,7 @@ class WindowedLayers:
         keys = jnp.concatenate([view.keys(), k_rows.astype(store.k.dtype)], 2)  # [B, K, W + T, H]
         values = jnp.concatenate([view.values(), v_rows.astype(store.v.dtype)], 2)
         out = attention.window_attention(q, q_positions, keys, values, k_positions, W, step.cap)
-        return out, write_ring(store, i, k_rows, v_rows, step.start, step.lengths), state, None
+        return out, write_ring(store, i, k_rows, v_rows, step.start, step.lengths), state
 
     def decode(self, step: Decode, i, store, state, q, k, v):
         """The ring holds the last W positions, this one included."""
@@ -158,7 +159,7 @@ class WindowedLayers:
         with jax.named_scope("attend"):
             held = (ring_positions(lengths, W) >= 0)[:, None]  # [B, 1, W]
             out = attention.rows_attention(q[:, 0], view.keys(), view.values(), held, step.cap)
-        return out[:, None], view.store, state, jnp.bool_(False)
+        return out[:, None], view.store, None
 
 
 class FullLayers:
@@ -171,7 +172,7 @@ class FullLayers:
     def prefill(self, step: Prefill, i, store, state, q, k, v):
         store, state = self.store_prompt(step.policy, store, state, i, *_as_rows(store, k, v), step.lengths,
                                          step.capacity)
-        return kernels.prompt_attention(q, k, v, block=PREFILL_BLOCK, cap=step.cap), store, state, None
+        return kernels.prompt_attention(q, k, v, block=PREFILL_BLOCK, cap=step.cap), store, state
 
     def prefill_chunk(self, step: PrefillChunk, i, store, state, q, k, v):
         written = store.write_prompt(i, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), start=step.start)
@@ -179,14 +180,14 @@ class FullLayers:
         out = attention.causal_attention_over_rows(q, view.keys()[:, :, :step.prompt],
                                                    view.values()[:, :, :step.prompt], step.start, block=PREFILL_BLOCK,
                                                    cap=step.cap)
-        return out, written, state, None
+        return out, written, state
 
     def decode(self, step: Decode, i, store, state, q, k, v):
         view = store.write_token(i, step.lengths, k[:, 0], v[:, 0]).layer(i, step.capacity)
         with jax.named_scope("attend"):
             out = kernels.decode_attention(q[:, 0], view.keys(), view.values(), step.lengths + 1, cap=step.cap,
                                            impl=kernels.resolve(step.policy.kernels, "decode_attention"))
-        return out[:, None], view.store, state, jnp.bool_(False)
+        return out[:, None], view.store, None
 
 
 class SelectingLayers(FullLayers):
@@ -206,25 +207,23 @@ class SelectingLayers(FullLayers):
             store, state = self.store_prompt(step.policy, store, state, i, *rows, step.lengths, step.capacity)
         else:  # in position order, for `index_prompt` after the layers
             store = store.write_prompt(i, *rows)
-        return kernels.prompt_attention(q, k, v, block=PREFILL_BLOCK, cap=step.cap), store, state, None
+        return kernels.prompt_attention(q, k, v, block=PREFILL_BLOCK, cap=step.cap), store, state
 
     def prefill_chunk(self, step: PrefillChunk, i, store, state, q, k, v):
-        out, written, state, _ = super().prefill_chunk(step, i, store, state, q, k, v)
-        return out, written, observe_prompt_queries(step.policy, state, q, step.start, step.lengths), None
+        out, written, state = super().prefill_chunk(step, i, store, state, q, k, v)
+        return out, written, observe_prompt_queries(step.policy, state, q, step.start, step.lengths)
 
     def decode(self, step: Decode, i, store, state, q, k, v):
         """This token's K/V [B, K, H] go to the row the policy's layout keeps its position in."""
         policy, S = step.policy, step.capacity
         view = store.write_token(i, policy.layout.token_rows(state, step.lengths, S), k[:, 0], v[:, 0]).layer(i, S)
-        if isinstance(policy, DecodeProbe):  # measures the step before the layer attends; its state changes each step
+        probing = isinstance(policy, DecodeProbe)
+        if probing:  # measures the step before the layer attends; its state changes each step
             with jax.named_scope("probe"):
-                probed = policy.observe_decode(state, q[:, 0], view, step.lengths + 1, step.prompt_lengths)
-            out, _, view = decode_selecting(policy, probed, q[:, 0], view, step.lengths + 1, step.prompt_lengths,
-                                            step.cap)
-            return out[:, None], view.store, probed, None
-        out, new_state, view = decode_selecting(policy, state, q[:, 0], view, step.lengths + 1, step.prompt_lengths,
-                                                step.cap)
-        return out[:, None], view.store, new_state, policy.decode_changed_state(state, new_state)
+                state = policy.observe_decode(state, q[:, 0], view, step.lengths + 1, step.prompt_lengths)
+        out, view = decode_selecting(policy, state, q[:, 0], view, step.lengths + 1, step.prompt_lengths, step.cap)
+        # Selecting leaves the index as it was (windows are indexed between steps): only a probe's state is new.
+        return out[:, None], view.store, state if probing else None
 
 
 #: How each kind of layer group (`clusterkv_jax.cache.LayerGroup.attention`) stores and attends in each step.
@@ -584,21 +583,20 @@ def decode_selecting(policy, state, q: jax.Array, view, lengths: jax.Array, prom
                      cap: float | None = None):
     """One selecting layer's decode attention, from its store `view` (this layer, the new token's row written;
     its window indexed before the step: `index_windows`): q [B, N, H], lengths [B] the new token included,
-    scores soft-capped by `cap`. Returns (output [B, N, H] float32, state, view)."""
+    scores soft-capped by `cap`. Returns (output [B, N, H] float32, view); the state is only read."""
     if policy.covers(view.positions):
-        return attend_everything(policy, state, q, view, lengths, cap), state, view
+        return attend_everything(policy, state, q, view, lengths, cap), view
     # Whether every indexed token fits the selection is known only on the device. Where a branch waits for the
     # host (a GPU), the selection is attended anyway: with every cluster selected whole it holds the same tokens.
     # A view whose reads change it (a host store's recall cache) is not read inside a branch.
     everything = (None if not view.read_only or kernels.branches_wait_for_host()
                   else policy.covers_now(state, lengths, prompt_lengths))
     if everything is None:
-        out, view = attend_selected(policy, state, q, view, lengths, prompt_lengths, cap)
-        return out, state, view
+        return attend_selected(policy, state, q, view, lengths, prompt_lengths, cap)
     # The view is only read here (`read_only`), so the branches return the output alone.
     out = jax.lax.cond(jnp.all(everything), lambda: attend_everything(policy, state, q, view, lengths, cap),
                        lambda: attend_selected(policy, state, q, view, lengths, prompt_lengths, cap)[0])
-    return out, state, view
+    return out, view
 
 
 def attend_everything(policy, state, q: jax.Array, view, lengths: jax.Array, cap: float | None = None) -> jax.Array:
@@ -620,7 +618,7 @@ def attend_selected(policy, state, q: jax.Array, view, lengths: jax.Array, promp
         selection = policy.select(state, q, keys, lengths, prompt_lengths)
     W, ring = policy.window_size(S), policy.layout.ring_window
     start = policy.window_start(state, lengths, prompt_lengths) if W else None
-    ring_mask = ring_window_mask(lengths, start, W, S) if W and ring else None
+    ring_mask = policy.layout.ring_mask(state, lengths, S) if W and ring else None
     # The store rows can be read where they lie: a view that reads in place (a device store), a ring window (or
     # none), no multi-device mesh (the page table and the tiles address the whole store; under a mesh the rows are
     # gathered per shard).
@@ -703,19 +701,19 @@ def attend_tiled(q: jax.Array, view: DeviceLayer, selection: Selection, window: 
     tiles = tiles_for(view, selection)
     p = B * K // tiles  # pairs a tile
     tiled = lambda x: x.reshape((tiles, p, -1) + x.shape[2:])  # noqa: E731  [tiles, p, h/K (or G), ...]
-    qs, starts, mask = tiled(q), tiled(selection.starts), tiled(selection.flat_mask())
+    qs, starts, mask = tiled(q), tiled(selection.starts), tiled(selection.mask)
     w_masks = jnp.repeat(window_mask, K, axis=0).reshape(tiles, p, -1) if window else jnp.zeros((tiles, p, 0), bool)
 
     def one_tile(args):
-        t, q_t, starts_t, mask_t, w_mask = args  # [p, G, H], [p, h/K, n], [p, h/K, n * c], [p, W]
+        t, q_t, starts_t, mask_t, w_mask = args  # [p, G, H], [p, h/K, n], [p, h/K, n, c], [p, W]
         pairs = t * p + jnp.arange(p, dtype=jnp.int32)
         k_sel, v_sel = (x.reshape(p, h // K, -1, H) for x in
                         view.read_pairs(pairs, starts_t.reshape(p, -1), c, selection.aligned))
         k_win = v_win = None
         if window:
             k_win, v_win = (x[:, None] for x in view.ring_pairs(t * p, p, window))  # [p, 1, W, H]
-        return attention.selection_and_window_attention(q_t, k_sel, v_sel, mask_t, k_win, v_win,
-                                                        w_mask if window else None, cap)
+        return attention.selection_and_window_attention(q_t, k_sel, v_sel, mask_t.reshape(p, h // K, -1), k_win,
+                                                        v_win, w_mask if window else None, cap)
 
     with jax.named_scope("attend_tiled"):
         out = jax.lax.map(one_tile, (jnp.arange(tiles, dtype=jnp.int32), qs, starts, mask, w_masks))

@@ -190,12 +190,12 @@ def on_a_mesh() -> bool:
 
 def written_when(due, write, operand):
     """`write(operand)` where `due()` (a traced bool, computed on the CPU only) holds, else `operand`, for a write
-    that most steps skip and that changes nothing where it is not due (a layer's policy state after a step that
-    left it as it was, the window's rows on a step with none due). On the CPU a `lax.cond` skips it: XLA:CPU
-    updates the operand in place under the cond, and the write's gathers and scatters are a visible part of a
-    small model's step (docs/research_log.md). Elsewhere the write always runs: a conditional that returns its
-    operand made XLA:GPU copy it whole (a layer group's store on every layer of every step; docs/research_log.md,
-    "Deviceless compilation"). `lax.platform_dependent` picks at lowering: the compiler never sees both."""
+    that most steps skip and that changes nothing where it is not due (the window's rows on a step with none due,
+    `store.LayerView.commit_window`). On the CPU a `lax.cond` skips it: XLA:CPU updates the operand in place under
+    the cond, and the write's gathers and scatters are a visible part of a small model's step
+    (docs/research_log.md). Elsewhere the write always runs: a conditional that returns its operand made XLA:GPU
+    copy it whole (a layer group's store on every layer of every step; docs/research_log.md, "Deviceless
+    compilation"). `lax.platform_dependent` picks at lowering: the compiler never sees both."""
     return by_platform(operand, cpu=lambda o: jax.lax.cond(due(), write, lambda o: o, o), default=write)
 
 

@@ -350,24 +350,19 @@ def _run_layer(params: Params, config: ModelConfig, step, cos_sin, x: jax.Array,
     """Model layer `index` (an int, or traced under a scan), the `i`-th layer of `group`: its weights and policy
     state taken from the stacks, it stores its K/V and attends through `step`. Returns x and the group updated.
 
-    The layer's policy state is written back only when the step says it changed, where the platform skips writes
-    (`kernels.written_when`: the CPU): most decode steps change no policy state, and writing every layer's state
-    back each step is a visible part of a small model's step on the CPU (docs/research_log.md)."""
+    The layer's policy state is written back only where the step returns one: a decode step changes none (the
+    step hands back None; its windows are indexed between steps), and writing every layer's state back each step
+    moves bytes that change nothing (docs/research_log.md)."""
     if isinstance(params["layers"], dict):  # stacked: an int index is a static slice, a traced one a dynamic slice
         layer = jax.tree.map(lambda p: p[index], params["layers"])
     else:
         layer = params["layers"][index]
     state = jax.tree.map(lambda s: s[i], group.state)
-    x, (store, state, changed) = _layer(layer, config, x, cos_sin,
-                                        lambda q, k, v: step.attend(group, i, group.store, state, q, k, v))
-
-    def write(states):
-        return jax.tree.map(lambda s, new: jax.lax.dynamic_update_index_in_dim(s, new, i, 0), states, state)
-
-    if changed is None:
-        states = write(group.state)
-    else:
-        states = kernels.written_when(lambda: changed, write, group.state)
+    x, (store, state) = _layer(layer, config, x, cos_sin,
+                               lambda q, k, v: step.attend(group, i, group.store, state, q, k, v))
+    if state is None:
+        return x, group.replace(store=store)
+    states = jax.tree.map(lambda s, new: jax.lax.dynamic_update_index_in_dim(s, new, i, 0), group.state, state)
     return x, group.replace(store=store, state=states)
 
 

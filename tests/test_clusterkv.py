@@ -615,7 +615,7 @@ def test_decode_attends_tiled_where_rows_outgrow_a_tile(gqa, monkeypatch, fresh_
 def test_ring_window_mask_marks_the_slots_holding_the_window(W, start, count, capacity):
     """A ring slot r is in the window iff the last position written to it (the largest p < length with
     p % W == r, p inside the capacity) lies in [start, length): brute force over the writes."""
-    from clusterkv_jax.policies.common import ring_window_mask
+    from clusterkv_jax.policies.cluster_blocks import ring_window_mask
 
     count = min(count, W)  # the window never holds more than W tokens
     length = start + count

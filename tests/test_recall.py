@@ -149,10 +149,9 @@ class _CountingClusterKV(ckv.ClusterKV, ckv.DecodeProbe):
 
 
 def test_a_decode_probes_state_is_kept_after_every_step():
-    """ClusterKV says its state changed only on a step that clusters a window (`decode_changed_state`), and the CPU
-    writes a layer's state back only then; a probe's state changes every step, so a ClusterKV that is a
-    `DecodeProbe` (the notebook's record of its selections) must count every decode step of every selecting layer:
-    one per generated token after the first."""
+    """A decode step writes no layer's state back (windows are indexed between steps), except a probe's, which
+    changes every step: a ClusterKV that is a `DecodeProbe` (the notebook's record of its selections) must count
+    every decode step of every selecting layer, one per generated token after the first."""
     policy = _CountingClusterKV(budget=32, sinks=4, tokens_per_cluster=8, full_layers=1)
     prompts = [np.random.default_rng(3).integers(0, 128, n).tolist() for n in (90, 70)]
     result = ckv.generate(_model(), prompts, max_new_tokens=7, policy=policy, stop_at_eos=False, return_cache=True)

@@ -22,9 +22,9 @@ from clusterkv_jax.policies import KVPolicy
 from clusterkv_jax.store import DeviceKV
 
 
-def _output_state_and_store(result):
-    out, state, kv = result
-    return out, state, kv.store
+def _output_state_and_store(result, state):
+    out, view = result  # a decode step leaves the state as it was
+    return out, state, view.store
 
 
 class _Donating:
@@ -88,9 +88,9 @@ def bench_attention(config: ModelConfig, policies: dict[str, KVPolicy], contexts
             # place; without donation a step that may rewrite them copies them whole). The lengths do not grow, so
             # every call makes the same selection.
             attend = jax.jit(lambda s, q, st, n, p=policy: _output_state_and_store(decode_selecting(
-                p, s, q, st.layer(jnp.int32(0), capacity), n, n)), donate_argnums=(0, 2))
+                p, s, q, st.layer(jnp.int32(0), capacity), n, n), s), donate_argnums=(0, 2))
             given = jax.jit(lambda s, q, st, n, sel, p=policy: _output_state_and_store(decode_selecting(
-                _given_selection(p, sel), s, q, st.layer(jnp.int32(0), capacity), n, n)), donate_argnums=(0, 2))
+                _given_selection(p, sel), s, q, st.layer(jnp.int32(0), capacity), n, n), s), donate_argnums=(0, 2))
             copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731  (each call donates its own)
             # What `select` reads of the keys: all of them (by position), blocks of its own store, or none.
             keys = k if policy.reads_all_keys else copy(store) if policy.reads_key_blocks else None

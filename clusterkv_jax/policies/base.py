@@ -198,11 +198,6 @@ class KVPolicy:
             jnp.any(due), lambda s: self.add_indexed(s, self.index_due(s, recent_keys, due, prompt_lengths), due),
             lambda s: s, state)
 
-    def decode_changed_state(self, old_state: Any, new_state: Any) -> jax.Array | None:
-        """Whether a decode step changed a layer's state (a traced bool), so the model writes the state back only
-        then; None (the default): it may have, write it every step."""
-        return None
-
     def covers_now(self, state: Any, lengths: jax.Array, prompt_lengths: jax.Array) -> jax.Array | None:
         """[B, ...] whether this step's selection would hold every indexed token of each sequence (and head); where
         all do, the step attends the whole layer instead. None: never decided here. (Reduced whole, to one bool:

@@ -25,7 +25,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from clusterkv_jax.policies.common import ring_window_mask
 from clusterkv_jax.policies.layout import RowLayout
 from clusterkv_jax.selection import Selection
 
@@ -55,6 +54,14 @@ def _layout_rows(labels, sizes, block_start, block_size: int, num_clusters: int)
     rank = jnp.arange(labels.shape[-1]) - jnp.take_along_axis(exclusive_cumsum(sizes), label, axis=-1)
     rows = jnp.take_along_axis(block_start, label, axis=-1) * block_size + rank
     return order, jnp.where(sorted_labels < num_clusters, rows, -1)
+
+
+def ring_window_mask(lengths: jax.Array, start: jax.Array, window: int, capacity: int) -> jax.Array:
+    """[B, window]: which slots of a ring (slot = position % window) hold a position of [start, lengths) inside
+    the capacity. Slot r holds start + ((r - start) mod window): the window never holds more than `window`."""
+    slots = jnp.arange(window, dtype=jnp.int32)
+    positions = start[:, None] + jnp.remainder(slots[None, :] - start[:, None], window)
+    return (positions < lengths[:, None]) & (positions < capacity)
 
 
 def scatter_last(x, index, values):
@@ -158,11 +165,14 @@ class ClusterBlocks(RowLayout):
         rows = (old_state.clustered_upto[:, None] + jnp.arange(W)) % W  # [B, W] the window's rows
         return rows, jnp.where(due[:, None, None], new_state.recent_rows, R)
 
+    def ring_mask(self, state, lengths, capacity):
+        """The window [clustered_upto, lengths) in the ring of rows [0, W)."""
+        return ring_window_mask(lengths, state.clustered_upto, self.window, capacity)
+
     def held_rows(self, state, lengths, capacity: int):
         """Sinks and clustered tokens where `row_positions` says, the window's tokens in the ring of rows [0, W)."""
-        W, R = self.window, state.row_positions.shape[-1]
-        ring = ring_window_mask(lengths, state.clustered_upto, W, capacity)  # [B, W]
-        in_ring = jnp.pad(ring, ((0, 0), (0, R - W)))[:, None, :]
+        R = state.row_positions.shape[-1]
+        in_ring = jnp.pad(self.ring_mask(state, lengths, capacity), ((0, 0), (0, R - self.window)))[:, None, :]
         return (state.row_positions >= 0) | in_ring
 
     def positions(self, state, selection: Selection):

@@ -131,10 +131,6 @@ class ClusterKV(KVPolicy):
     def add_indexed(self, state: ClusterIndex, added, due):
         return cluster_index.add_window(self, state, added, due)
 
-    def decode_changed_state(self, old_state: ClusterIndex, new_state: ClusterIndex):
-        # Only clustering a window changes the index (`index_due`), and that runs before the layers.
-        return jnp.any(new_state.clustered_upto != old_state.clustered_upto)
-
     # ---- What it selects (`cluster_select`) ------------------------------------------------------------------
 
     def covers(self, capacity: int) -> bool:

@@ -16,14 +16,6 @@ def recent_window(lengths: jax.Array, start: jax.Array, window: int) -> tuple[ja
     return jnp.minimum(idx, jnp.maximum(lengths[:, None] - 1, 0)), idx < lengths[:, None]
 
 
-def ring_window_mask(lengths: jax.Array, start: jax.Array, window: int, capacity: int) -> jax.Array:
-    """[B, window]: which slots of a ring (slot = position % window) hold a position of [start, lengths) inside
-    the capacity. Slot r holds start + ((r - start) mod window): the window never holds more than `window`."""
-    slots = jnp.arange(window, dtype=jnp.int32)
-    positions = start[:, None] + jnp.remainder(slots[None, :] - start[:, None], window)
-    return (positions < lengths[:, None]) & (positions < capacity)
-
-
 def sink_slots(lengths: jax.Array, sinks: int) -> tuple[jax.Array, jax.Array]:
     """The first `sinks` positions: (idx [B, sinks], mask [B, sinks]) masked past each length."""
     idx = jnp.broadcast_to(jnp.arange(sinks, dtype=jnp.int32), (lengths.shape[0], sinks))

@@ -49,6 +49,11 @@ class RowLayout:
         to, [B, K, W] (out of range: no move), or None when the layout never moves rows."""
         return None
 
+    def ring_mask(self, state: Any, lengths: jax.Array, capacity: int) -> jax.Array:
+        """[B, W]: which rows of the ring [0, W) hold a token of the window (a layout whose `ring_window` is True;
+        slot r holds the window's position congruent to r mod W, if any, inside the capacity)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no ring window")
+
     def held_rows(self, state: Any, lengths: jax.Array, capacity: int) -> jax.Array:
         """[B, 1 or K, R] the store rows holding a token, window included (what attending to everything reads)."""
         R = self.store_rows(capacity)
