@@ -40,7 +40,7 @@ import jax.numpy as jnp
 
 from clusterkv_jax import attention, kernels
 from clusterkv_jax.cache import FULL, SELECTING, WINDOWED
-from clusterkv_jax.policies.common import recent_window
+from clusterkv_jax.policies.common import last_positions, recent_window
 from clusterkv_jax.selection import Selection
 from clusterkv_jax.store import DeviceLayer
 
@@ -265,7 +265,7 @@ def observe_prompt_queries(policy, state, q: jax.Array, start, lengths: jax.Arra
     if not n:
         return state
     T = q.shape[1]
-    positions = lengths[:, None] - n + jnp.arange(n, dtype=jnp.int32)  # [B, n]
+    positions = last_positions(lengths, n)
     offsets = positions - start
     found = (positions >= 0) & (offsets >= 0) & (offsets < T)
     rows = jnp.take_along_axis(q, jnp.clip(offsets, 0, T - 1)[:, :, None, None], axis=1)  # [B, n, N, H]
@@ -458,7 +458,7 @@ def _store_prompt(policy, group, keys, values, layers, lengths, capacity: int, q
         k, v = (jax.lax.dynamic_index_in_dim(x, at, keepdims=False) for x in (keys, values))
         if queries is not None:
             n = queries.shape[-2]
-            found = lengths[:, None] - n + jnp.arange(n, dtype=jnp.int32) >= 0  # [B, n] slots inside the prompt
+            found = last_positions(lengths, n) >= 0  # [B, n] slots inside the prompt
             state = policy.observe_queries(state, jax.lax.dynamic_index_in_dim(queries, at, keepdims=False), found)
         return LAYERS[group.attention].store_prompt(policy, store, state, i, k, v, lengths, capacity)
 

@@ -16,6 +16,11 @@ def recent_window(lengths: jax.Array, start: jax.Array, window: int) -> tuple[ja
     return jnp.minimum(idx, jnp.maximum(lengths[:, None] - 1, 0)), idx < lengths[:, None]
 
 
+def last_positions(lengths: jax.Array, n: int) -> jax.Array:
+    """[B, n]: each prompt's last n positions, slot j position lengths - n + j (negative: before the prompt)."""
+    return lengths[:, None] - n + jnp.arange(n, dtype=jnp.int32)
+
+
 def sink_slots(lengths: jax.Array, sinks: int) -> tuple[jax.Array, jax.Array]:
     """The first `sinks` positions: (idx [B, sinks], mask [B, sinks]) masked past each length."""
     idx = jnp.broadcast_to(jnp.arange(sinks, dtype=jnp.int32), (lengths.shape[0], sinks))

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from clusterkv_jax import axes
 from clusterkv_jax.ops import top_k_indices
 from clusterkv_jax.policies.base import FULL_LAYERS_HELP, PromptBudgetPolicy, option
-from clusterkv_jax.policies.common import keep_observed
+from clusterkv_jax.policies.common import keep_observed, last_positions
 from clusterkv_jax.selection import Selection
 
 
@@ -76,7 +76,7 @@ class SnapKV(PromptBudgetPolicy):
         w = min(n, M)
         q = state.queries.reshape(B, K, N // K, n, H)
         logits = jnp.einsum("BKGnH,BKSH->BKGnS", q, keys.astype(jnp.float32)).reshape(B, N, n, S) / H ** 0.5
-        positions = lengths[:, None] - n + jnp.arange(n)  # [B, n] the window queries' positions
+        positions = last_positions(lengths, n)  # [B, n] the window queries' positions
         causal = jnp.arange(S)[None, None, :] <= positions[:, :, None]  # [B, n, S]
         probs = jax.nn.softmax(jnp.where(causal[:, None], logits, -jnp.inf), axis=-1)
         probs = jnp.where((positions >= 0)[:, None, :, None], probs, 0.0)  # no query before position 0
