@@ -219,6 +219,21 @@ def test_kmeans_keeps_its_similarities_on_chip_on_sm90(target, monkeypatch):
     assert saved > selecting * similarities, (saved, selecting * similarities)
 
 
+def test_a_prefill_that_only_keeps_queries_holds_what_full_kvs_holds(target):
+    """The shared prefill for SnapKV and InfiniGen (`FullKVKeepingQueries`) keeps each layer's last queries and
+    indexes no keys, so its selecting layers' keys are not read for an index (`attend.indexes_keys`) and it holds
+    FullKV's device temporaries at 32k. On sm90 the unrolled loop's `kernels.layer_values` barrier held each layer's
+    padded keys though nothing read them: 1,896 MB against FullKV's 1,376 MB."""
+    from clusterkv_jax.policies.full import FullKVKeepingQueries
+
+    if target.platform != "gpu":
+        pytest.skip("the barrier is a GPU's unrolled layer loop's")
+    held = {name: aot.model_programs(CONFIG, {"p": policy}, device=target, batch=1, context=32768,
+                                     prefill=("p",))[1].device_temp_bytes
+            for name, policy in (("full", FullKV()), ("keeping", FullKVKeepingQueries(prompt_queries=32)))}
+    assert held["keeping"] <= held["full"] * 1.01, held
+
+
 def _while_loops(hlo: str) -> list[str]:
     """The while loops of a program, in any computation, each as its HLO line."""
     return [line for line in hlo.splitlines() if re.search(r"[)\]}] while\(", line)]

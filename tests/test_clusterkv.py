@@ -23,6 +23,7 @@ from clusterkv_jax.model import init_params
 from clusterkv_jax.policies import FullKV, InfiniGen, Quest, SnapKV, StreamingLLM
 from clusterkv_jax.policies.cluster_select import cluster_scores, rank_and_index
 from clusterkv_jax.policies.clusterkv import ClusterKV, ClusterKVPaper
+from clusterkv_jax.policies.full import FullKVKeepingQueries
 from tests.helpers import generation_programs, triton_mode
 
 CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
@@ -673,8 +674,9 @@ def test_generate_with_prefill_chunks_gives_the_same_tokens():
         generate(model, prompt, 4, policy=policy, max_length=4096, prefill_chunk=300)
 
 
-@pytest.mark.parametrize("policy", [ClusterKV(budget=64, **SMALL), Quest(budget=64), SnapKV(budget=64)],
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize("policy", [ClusterKV(budget=64, **SMALL), Quest(budget=64), SnapKV(budget=64),
+                                    FullKVKeepingQueries(prompt_queries=16)],
+                         ids=lambda p: p.name or "keeping-queries")
 def test_a_gpus_loop_indexes_all_selecting_layers_in_one_loop(policy):
     """In a GPU's unrolled layer loop each selecting layer is a group of its own, and one loop over them indexes
     them all (`attend.indexed_in_one_loop`): a prefill, whole or chunked, stores their prompts in position order and
@@ -696,6 +698,7 @@ def test_a_gpus_loop_indexes_all_selecting_layers_in_one_loop(policy):
                                   max_length=4096, prefill_chunk=chunk).tokens
                 results[loop, chunk] = jax.tree.leaves(jax.tree.map(np.asarray, cache.policy_state)), tokens
     (want_state, want_tokens) = results["scanned", None]
+    assert any(np.any(leaf) for leaf in want_state)
     for key, (state, tokens) in results.items():
         assert tokens == want_tokens, key
         for got, want in zip(state, want_state, strict=True):
