@@ -628,7 +628,7 @@ def attend_selected(policy, state, q: jax.Array, view, lengths: jax.Array, promp
         keys = view.keys() if policy.reads_all_keys else view.key_blocks if policy.reads_key_blocks else None
         selection = policy.select(state, q, keys, lengths, prompt_lengths)
     W, ring = policy.window_size(S), policy.layout.ring_window
-    start = policy.window_start(state, lengths, prompt_lengths) if W else None
+    start = policy.window_start(state, lengths, prompt_lengths) if W and not ring else None
     ring_mask = policy.layout.ring_mask(state, lengths, S) if W and ring else None
     # The store rows can be read where they lie: a view that reads in place (a device store), a ring window (or
     # none), no multi-device mesh (the page table and the tiles address the whole store; under a mesh the rows are
