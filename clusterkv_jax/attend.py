@@ -354,12 +354,13 @@ def index_prompt(policy, groups, lengths: jax.Array, capacity: int, prompt: int)
     pad = ((0, 0), (0, 0), (0, capacity - prompt), (0, 0))
     if indexed_in_one_loop(groups):
         picked = [j for j, group in enumerate(groups) if group.selecting]
-        states = [groups[j].state for j in picked]
+        states = [jax.tree.map(lambda x: x[0], groups[j].state) for j in picked]  # each layer's own
         if indexes_keys(policy):
             with jax.named_scope("index"):
-                stacked = _in_one_loop(groups, states, lambda group, state: group.store.layer(0).keys()[:, :, :prompt],
+                stacked = _in_one_loop(groups, [groups[j].state for j in picked],
+                                       lambda group, state: group.store.layer(0).keys()[:, :, :prompt],
                                        lambda keys, state: _index_keys(policy, state, jnp.pad(keys(), pad), lengths))
-            states = [jax.tree.map(lambda x: x[n:n + 1], stacked) for n in range(len(picked))]
+            states = [jax.tree.map(lambda x: x[n], stacked) for n in range(len(picked))]
         groups = list(groups)
         done = None  # the last layer laid out
         for n, j in enumerate(picked):
@@ -370,7 +371,7 @@ def index_prompt(policy, groups, lengths: jax.Array, capacity: int, prompt: int)
                 group = group.replace(store=jax.lax.optimization_barrier((done, group.store))[1])
             view = group.store.layer(0)
             with layer_scope(group.layers):
-                store, state = write_prompt_layer(policy, group.store, jax.tree.map(lambda x: x[0], states[n]), 0,
+                store, state = write_prompt_layer(policy, group.store, states[n], 0,
                                                   view.keys()[:, :, :prompt], view.values()[:, :, :prompt], lengths,
                                                   capacity, indexed=True)
             groups[j] = group.replace(store=store, state=jax.tree.map(lambda x: x[None], state))
