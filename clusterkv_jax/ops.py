@@ -170,24 +170,6 @@ def gather_rows(store: jax.Array, index: jax.Array, mode=READ_MODE, chunk: int =
     return jax.lax.gather(store, index, dims, slice_sizes=sizes, mode=mode)
 
 
-def gather_pair_rows(store: jax.Array, layer, pairs: jax.Array, starts: jax.Array, chunk: int = 1,
-                     aligned: bool = False) -> jax.Array:
-    """Chunks of some (sequence, KV head) pairs: store [L, P, S, H] (a store's [L, B, K, S, H] with its B·K pairs
-    as one dim: a view), pairs [p] which pairs, starts [p, n] their chunks' first rows, layer traced ->
-    [p, n, chunk, H]; `chunk` and `aligned` as in `gather_rows`."""
-    L, P, S, H = store.shape
-    p, n = starts.shape
-    if aligned and chunk > 1 and S % chunk == 0:
-        store, starts, rows = store.reshape(L, P, S // chunk, chunk * H), starts // chunk, 1
-    else:
-        rows = chunk
-    index = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (p, n)),
-                       jnp.broadcast_to(pairs.astype(jnp.int32)[:, None], (p, n)), starts.astype(jnp.int32)], axis=-1)
-    dims = jax.lax.GatherDimensionNumbers(offset_dims=(2, 3), collapsed_slice_dims=(0, 1), start_index_map=(0, 1, 2))
-    out = jax.lax.gather(store, index, dims, slice_sizes=(1, 1, rows, store.shape[-1]), mode=READ_MODE)
-    return out.reshape(p, n, chunk, H)
-
-
 def scatter_rows(store: jax.Array, index: jax.Array, rows: jax.Array, mode=WRITE_MODE) -> jax.Array:
     """Writes rows [B, K, n, H] at index [B, K, n, .] (from `row_index`) into store; returns the store."""
     d = _row_dims(store.ndim)

@@ -58,11 +58,29 @@ import jax
 import jax.numpy as jnp
 
 from clusterkv_jax import axes, kernels
-from clusterkv_jax.ops import gather_pair_rows, gather_rows, per_kv_head, row_index, scatter_rows
+from clusterkv_jax.ops import READ_MODE, gather_rows, per_kv_head, row_index, scatter_rows
 from clusterkv_jax.selection import Selection
 
 #: The dims of a store's keys and values.
 KV_AXES = ("layers", "batch", "kv_heads", "rows", "head_dim")
+
+
+def _gather_pair_rows(store: jax.Array, layer, pairs: jax.Array, starts: jax.Array, chunk: int = 1,
+                      aligned: bool = False) -> jax.Array:
+    """Chunks of some (sequence, KV head) pairs: store [L, P, S, H] (a store's [L, B, K, S, H] with its B·K pairs
+    as one dim: a view), pairs [p] which pairs, starts [p, n] their chunks' first rows, layer traced ->
+    [p, n, chunk, H]; `chunk` and `aligned` as in `ops.gather_rows`."""
+    L, P, S, H = store.shape
+    p, n = starts.shape
+    if aligned and chunk > 1 and S % chunk == 0:
+        store, starts, rows = store.reshape(L, P, S // chunk, chunk * H), starts // chunk, 1
+    else:
+        rows = chunk
+    index = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (p, n)),
+                       jnp.broadcast_to(pairs.astype(jnp.int32)[:, None], (p, n)), starts.astype(jnp.int32)], axis=-1)
+    dims = jax.lax.GatherDimensionNumbers(offset_dims=(2, 3), collapsed_slice_dims=(0, 1), start_index_map=(0, 1, 2))
+    out = jax.lax.gather(store, index, dims, slice_sizes=(1, 1, rows, store.shape[-1]), mode=READ_MODE)
+    return out.reshape(p, n, chunk, H)
 
 
 class KVStore:
@@ -205,7 +223,7 @@ class DeviceLayer(LayerView):
         rows -> k, v [p, n, chunk, H]."""
         L, B, K, R, H = self.store.k.shape
         as_pairs = lambda x: x.reshape(L, B * K, R, H)  # noqa: E731  (a view)
-        return tuple(gather_pair_rows(as_pairs(x), self.index, pairs, starts, chunk, aligned)
+        return tuple(_gather_pair_rows(as_pairs(x), self.index, pairs, starts, chunk, aligned)
                      for x in (self.store.k, self.store.v))
 
     def ring_pairs(self, first: jax.Array, count: int, window: int):
