@@ -203,6 +203,8 @@ class SelectingLayers(FullLayers):
 
     def prefill(self, step: Prefill, i, store, state, q, k, v):
         state = observe_prompt_queries(step.policy, state, q, 0, step.lengths)
+        if step.policy.prompt_queries:
+            state, q = kernels.kept_before_attention(state, q)
         rows = _as_rows(store, k, v)
         if step.index:
             store, state = self.store_prompt(step.policy, store, state, i, *rows, step.lengths, step.capacity)

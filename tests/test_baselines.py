@@ -430,3 +430,33 @@ def test_gemmas_score_selects_what_q_dot_k_selects(policy):
         n = int(lengths[b])
         for h in range(CONFIG.num_heads):
             assert set(np.argsort(-raw[b, h, :n])[:16]) == set(np.argsort(-capped[b, h, :n])[:16])
+
+
+@pytest.mark.parametrize("n, T, start", [(8, 32, 0), (8, 32, 20), (8, 32, 40), (40, 32, 0), (40, 32, 16)])
+def test_the_kept_prompt_queries_are_each_prompts_last_n(n, T, start):
+    """`attend.observe_prompt_queries` (a prefill, or one chunk of positions [start, start + T)) hands the policy the
+    queries of each prompt's last n positions that the chunk holds, and says which: against a NumPy walk over ragged
+    lengths, with the last n straddling the chunk's edges and n longer than the chunk."""
+    from clusterkv_jax.attend import observe_prompt_queries
+
+    @dataclasses.dataclass(frozen=True)
+    class Keeping:
+        prompt_queries: int
+
+        def observe_queries(self, state, queries, found):
+            return queries, found
+
+    B, N, H = 4, 2, 3
+    q = np.random.default_rng(0).standard_normal((B, T, N, H)).astype(np.float32)
+    lengths = np.array([5, start + 3, start + T - 2, start + T + 30], np.int32)
+    got, found = jax.jit(lambda q_, lengths_: observe_prompt_queries(Keeping(n), None, q_, start, lengths_))(
+        jnp.asarray(q), jnp.asarray(lengths))
+    got, found = np.asarray(got), np.asarray(found)
+    assert got.shape == (B, N, n, H) and found.shape == (B, n)
+    for b in range(B):
+        for j in range(n):
+            at = lengths[b] - n + j - start
+            assert found[b, j] == (lengths[b] - n + j >= 0 and 0 <= at < T), (b, j)
+            if found[b, j]:
+                np.testing.assert_array_equal(got[b, :, j], q[b, at])
+    assert found.any() and not found.all()
