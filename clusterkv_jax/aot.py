@@ -203,12 +203,13 @@ def target_cache(config, policy, *, device, batch: int, context: int, decode_roo
 
 
 def model_programs(config, policies: dict, *, device, batch: int, context: int, decode_room: int = 64,
-                   dtype=jnp.bfloat16, prefill: tuple[str, ...] = (), index: tuple[str, ...] = ()) -> list[Compiled]:
+                   dtype=jnp.bfloat16, prefill: tuple[str, ...] = (), index: tuple[str, ...] = (),
+                   chunk: int | None = None) -> list[Compiled]:
     """Compiles `steps.decode_step` for each named policy as `generate`'s decode loop runs it (`index=False`:
     the windows of generated tokens are indexed between runs of steps, once per `window_size` steps; a cache of
     `context + decode_room` tokens, sized as `generate` sizes it: `cache_capacity`), for the names in `index` the
     program that indexes them between steps (`steps.index_due_windows`: ClusterKV's decode-time K-means), and
-    `steps.prefill` of a `context`-token prompt for the names in `prefill`."""
+    `steps.prefill` of a `context`-token prompt for the names in `prefill` (in chunks of `chunk` tokens, if given)."""
     from clusterkv_jax.steps import decode_step, index_due_windows
     from clusterkv_jax.steps import prefill as prefill_step
     from clusterkv_jax.model import for_device, init_params
@@ -229,7 +230,7 @@ def model_programs(config, policies: dict, *, device, batch: int, context: int, 
         if name in prefill:
             prompt = jax.ShapeDtypeStruct((batch, context), jnp.int32)
             out.append(compile_for_device(f"prefill {name}", prefill_step, device, params, prompt, tokens, cache,
-                                          config=config, policy=policy))
+                                          config=config, policy=policy, chunk=chunk))
     return out
 
 

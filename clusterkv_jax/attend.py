@@ -202,9 +202,7 @@ class SelectingLayers(FullLayers):
         return write_prompt_layer(policy, store, state, i, k_rows, v_rows, lengths, capacity)
 
     def prefill(self, step: Prefill, i, store, state, q, k, v):
-        state = observe_prompt_queries(step.policy, state, q, 0, step.lengths)
-        if step.policy.prompt_queries:
-            state, q = kernels.kept_before_attention(state, q)
+        state, q = observe_prompt_queries(step.policy, state, q, 0, step.lengths)
         rows = _as_rows(store, k, v)
         if step.index:
             store, state = self.store_prompt(step.policy, store, state, i, *rows, step.lengths, step.capacity)
@@ -213,8 +211,8 @@ class SelectingLayers(FullLayers):
         return kernels.prompt_attention(q, k, v, block=PREFILL_BLOCK, cap=step.cap), store, state
 
     def prefill_chunk(self, step: PrefillChunk, i, store, state, q, k, v):
-        out, written, state = super().prefill_chunk(step, i, store, state, q, k, v)
-        return out, written, observe_prompt_queries(step.policy, state, q, step.start, step.lengths)
+        state, q = observe_prompt_queries(step.policy, state, q, step.start, step.lengths)
+        return super().prefill_chunk(step, i, store, state, q, k, v)
 
     def decode(self, step: Decode, i, store, state, q, k, v):
         """This token's K/V [B, K, H] go to the row the policy's layout keeps its position in."""
@@ -263,16 +261,21 @@ def write_ring(store, i, k_rows: jax.Array, v_rows: jax.Array, start, lengths: j
 
 def observe_prompt_queries(policy, state, q: jax.Array, start, lengths: jax.Array):
     """Prefill of a selecting layer: hands the policy those of the queries q [B, T, N, H] (positions
-    [start, start + T)) that lie among each prompt's last `policy.prompt_queries` tokens. Returns the state."""
+    [start, start + T)) that lie among each prompt's last `policy.prompt_queries` tokens. Returns (state, q), the
+    two behind an optimization barrier, so the rows are taken before the layer's attention reads q: XLA took them
+    after it, holding q beside the attention's operands (at 32k, Llama-3-8B geometry: a query-keeping prefill held
+    1,645 MB of temporaries on a TPU v5e where FullKV holds 1,377, a chunked one 1,096 MB on an H100 against 894;
+    docs/research_log.md)."""
     n = policy.prompt_queries
     if not n:
-        return state
+        return state, q
     T = q.shape[1]
     positions = last_positions(lengths, n)
     offsets = positions - start
     found = (positions >= 0) & (offsets >= 0) & (offsets < T)
     rows = jnp.take_along_axis(q, jnp.clip(offsets, 0, T - 1)[:, :, None, None], axis=1)  # [B, n, N, H]
-    return policy.observe_queries(state, jnp.swapaxes(rows, 1, 2).astype(jnp.float32), found)
+    state = policy.observe_queries(state, jnp.swapaxes(rows, 1, 2).astype(jnp.float32), found)
+    return jax.lax.optimization_barrier((state, q))
 
 
 def layer_scope(layers):

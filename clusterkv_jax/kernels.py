@@ -199,20 +199,10 @@ def written_when(due, write, operand):
     return by_platform(operand, cpu=lambda o: jax.lax.cond(due(), write, lambda o: o, o), default=write)
 
 
-def kept_before_attention(state, q):
-    """(state, q) as they are, where a policy's state holds rows of a prompt's queries q: on a TPU behind an
-    optimization barrier, so the rows are taken before the layer's attention reads q. XLA:TPU otherwise took them
-    after it, holding q beside the attention's operands (at 32k, Llama-3-8B geometry, 4 layers: a query-keeping
-    prefill held 1,645 MB of temporaries against FullKV's 1,377, 1,377 with it; SnapKV's 1,948 MB, 1,647). On an
-    H100 the barrier held more (SnapKV's 1,268 MB -> 1,377), so it is the TPU's alone (docs/research_log.md)."""
-    return by_platform(state, q, tpu=lambda *x: jax.lax.optimization_barrier(x), default=lambda *x: x)
-
-
 def by_platform(*operands, cpu=None, tpu=None, default):
     """`cpu(*operands)`, `tpu(*operands)` or `default(*operands)` as the platform the program is lowered for: the
-    choices of a program's path that are not kernel ops meet here (`written_when`, `kept_before_attention`; the
-    tiled selected attention of a CPU's cache, `attend.attend_selected`; the host stores' row writes,
-    `offload._write_rows`).
+    choices of a program's path that are not kernel ops meet here (`written_when`; the tiled selected attention
+    of a CPU's cache, `attend.attend_selected`; the host stores' row writes, `offload._write_rows`).
     `lax.platform_dependent` picks at lowering, so a deviceless compile for a GPU or a TPU takes its own branch."""
     branches = {name: fn for name, fn in (("cpu", cpu), ("tpu", tpu)) if fn is not None}
     return jax.lax.platform_dependent(*operands, default=default, **branches)

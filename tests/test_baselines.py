@@ -436,7 +436,7 @@ def test_gemmas_score_selects_what_q_dot_k_selects(policy):
 def test_the_kept_prompt_queries_are_each_prompts_last_n(n, T, start):
     """`attend.observe_prompt_queries` (a prefill, or one chunk of positions [start, start + T)) hands the policy the
     queries of each prompt's last n positions that the chunk holds, and says which: against a NumPy walk over ragged
-    lengths, with the last n straddling the chunk's edges and n longer than the chunk."""
+    lengths, with the last n straddling the chunk's edges and n longer than the chunk. q comes back unchanged."""
     from clusterkv_jax.attend import observe_prompt_queries
 
     @dataclasses.dataclass(frozen=True)
@@ -449,9 +449,10 @@ def test_the_kept_prompt_queries_are_each_prompts_last_n(n, T, start):
     B, N, H = 4, 2, 3
     q = np.random.default_rng(0).standard_normal((B, T, N, H)).astype(np.float32)
     lengths = np.array([5, start + 3, start + T - 2, start + T + 30], np.int32)
-    got, found = jax.jit(lambda q_, lengths_: observe_prompt_queries(Keeping(n), None, q_, start, lengths_))(
-        jnp.asarray(q), jnp.asarray(lengths))
+    observe = jax.jit(lambda q_, lengths_: observe_prompt_queries(Keeping(n), None, q_, start, lengths_))
+    (got, found), q_after = observe(jnp.asarray(q), jnp.asarray(lengths))
     got, found = np.asarray(got), np.asarray(found)
+    np.testing.assert_array_equal(np.asarray(q_after), q)  # q as it was, for the layer's attention
     assert got.shape == (B, N, n, H) and found.shape == (B, n)
     for b in range(B):
         for j in range(n):
