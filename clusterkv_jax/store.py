@@ -65,8 +65,8 @@ from clusterkv_jax.selection import Selection
 KV_AXES = ("layers", "batch", "kv_heads", "rows", "head_dim")
 
 
-def _gather_pair_rows(store: jax.Array, layer, pairs: jax.Array, starts: jax.Array, chunk: int = 1,
-                      aligned: bool = False) -> jax.Array:
+def _gather_pair_rows(store: jax.Array, layer, pairs: jax.Array, starts: jax.Array, chunk: int,
+                      aligned: bool) -> jax.Array:
     """Chunks of some (sequence, KV head) pairs: store [L, P, S, H] (a store's [L, B, K, S, H] with its B·K pairs
     as one dim: a view), pairs [p] which pairs, starts [p, n] their chunks' first rows, layer traced ->
     [p, n, chunk, H]; `chunk` and `aligned` as in `ops.gather_rows`."""
