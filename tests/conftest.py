@@ -77,14 +77,14 @@ def pytest_terminal_summary(terminalreporter):
 # spawn no process. `slow` marks the others: by module (`pytestmark`) or test, and here every test that uses a
 # fixture that converts. In that run a conversion or a new process fails the test that tried it, naming the
 # marker, so the fast set stays what it says.
-CONVERTING_FIXTURES = frozenset({"smollm2_hf_dir", "smollm2_converted_dir", "tiny_model"})
+CONVERTING_FIXTURES = frozenset({"smollm2_hf_dir", "smollm2_converted_dir", "tiny_model", "tiny_text_model"})
 
 
 # The files that take longest (each runs whole in one xdist worker: `make test`'s --dist loadfile), started first
 # so that neither worker is left with one of them at the end. From `pytest --durations=0`.
-LONGEST_FIRST = ("test_families.py", "test_clusterkv.py", "test_multiprocess.py", "test_bench.py", "test_sharding.py",
-                 "test_examples.py", "test_generate.py", "test_reliability.py", "test_eval.py", "test_convert.py",
-                 "test_model.py", "test_demo.py")
+LONGEST_FIRST = ("test_families.py", "test_clusterkv.py", "test_multiprocess.py", "test_examples.py", "test_bench.py",
+                 "test_reliability.py", "test_sharding.py", "test_generate.py", "test_model.py", "test_offload.py",
+                 "test_demo.py", "test_convert.py", "test_eval_tasks.py")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -265,3 +265,31 @@ def smollm2_converted_dir(smollm2_hf_dir, tmp_path_factory) -> str:
 
     return _built_once(tmp_path_factory, "smollm2_ckpt",
                        lambda out: convert_hf(smollm2_hf_dir, out / "converted", dtype="float32")) + "/converted"
+
+
+@pytest.fixture(scope="session")
+def tiny_text_model(tmp_path_factory) -> tuple[str, str]:
+    """(model directory, text path): a converted 4-layer Llama (random weights, 512 positions; ClusterKV's default 2
+    full layers leave 2 that select) whose word-level tokenizer knows every word of the text beside it. For the
+    commands' tests, whose checks are about the command (its files, tables, flags, a mesh's tokens against one
+    device's), not about SmolLM2: what the commands read, compiled in seconds where SmolLM2's 30 layers took tens."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    from checkpoints_convert import convert_hf
+    from tests.test_convert import TINY_CONFIG, write_tiny_hf
+
+    def build(out):
+        import numpy as np
+
+        words = [f"w{i}" for i in range(TINY_CONFIG["vocab_size"] - 1)]
+        src = write_tiny_hf(out / "src", dict(TINY_CONFIG, max_position_embeddings=512, num_hidden_layers=4))
+        tokenizer = Tokenizer(WordLevel({"<unk>": 0, **{w: i + 1 for i, w in enumerate(words)}}, unk_token="<unk>"))
+        tokenizer.pre_tokenizer = WhitespaceSplit()
+        tokenizer.save(os.path.join(src, "tokenizer.json"))  # the converter copies it
+        (out / "text.txt").write_text(" ".join(np.random.default_rng(0).choice(words, 4000)), encoding="utf-8")
+        convert_hf(src, out / "model", dtype="float32")
+
+    root = _built_once(tmp_path_factory, "tiny_text_model", build)
+    return os.path.join(root, "model"), os.path.join(root, "text.txt")

@@ -26,7 +26,7 @@ from clusterkv_jax.loading import Model
 from clusterkv_jax.model import forward_prefill, init_params
 from clusterkv_jax.cache import init_cache
 from clusterkv_jax.policies import ClusterKV, FullKV, Quest
-from tests.helpers import long_text
+from tests.conftest import MOST_OPTIMIZATIONS_OFF_ENV
 
 CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
                   num_kv_heads=2, head_dim=16, max_position_embeddings=1024)
@@ -255,26 +255,25 @@ BENCH_DECODE_ARGS = ["--context", "100,200", "--decode", "4", "--budgets", "64",
 
 
 @pytest.fixture(scope="module")
-def cli_bench_decode(smollm2_converted_dir, tmp_path_factory):
-    """`clusterkv bench decode` on SmolLM2 in this process, once for the tests below: (what it printed, the
-    directory it wrote)."""
+def cli_bench_decode(tiny_text_model, tmp_path_factory):
+    """`clusterkv bench decode` on the tiny checkpoint in this process, once for the tests below: (what it printed,
+    the directory it wrote)."""
     import contextlib
     import io
 
     from clusterkv_jax.cli import main
 
+    model, text = tiny_text_model
     root = tmp_path_factory.mktemp("bench_cli")
-    text = root / "text.txt"  # explicit: the default ../shared/... depends on where the checkout lies
-    text.write_text(long_text()[:40_000], encoding="utf-8")
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        rc = main(["bench", "decode", "--model", smollm2_converted_dir, *BENCH_DECODE_ARGS, "--text", str(text),
+        rc = main(["bench", "decode", "--model", model, *BENCH_DECODE_ARGS, "--text", str(text),
                    "--out", str(root / "one")])
     assert rc == 0
     return printed.getvalue(), root
 
 
-def test_cli_bench_decode_and_attention_write_tables_and_plots(cli_bench_decode, smollm2_converted_dir, tmp_path):
+def test_cli_bench_decode_and_attention_write_tables_and_plots(cli_bench_decode, tiny_text_model, tmp_path):
     from clusterkv_jax.cli import main
 
     printed, root = cli_bench_decode
@@ -285,22 +284,24 @@ def test_cli_bench_decode_and_attention_write_tables_and_plots(cli_bench_decode,
     assert data["bandwidth_Bps"] > 0
     assert (out / "decode.png").stat().st_size > 0 and (out / "decode.md").read_text().count("| full |") == 2
     out = tmp_path / "attention"
-    assert main(["bench", "attention", "--model", smollm2_converted_dir, "--context", "300", "--budgets", "64",
+    assert main(["bench", "attention", "--model", tiny_text_model[0], "--context", "300", "--budgets", "64",
                  "--repeats", "2", "--out", str(out)]) == 0
-    assert json.loads((out / "attention.json").read_text())["geometry"]["num_kv_heads"] == 3
+    assert json.loads((out / "attention.json").read_text())["geometry"]["num_kv_heads"] == 2
     assert main(["bench", "decode", "--synthetic", "llama3-8b", "--compare-hf", "--layers", "1"]) == 2
 
 
-def test_cli_bench_decode_on_a_mesh_decodes_the_unsharded_tokens(cli_bench_decode, smollm2_converted_dir):
+def test_cli_bench_decode_on_a_mesh_decodes_the_unsharded_tokens(cli_bench_decode, tiny_text_model):
     """`--mesh data=2` (2 host devices, a subprocess) times the same greedy decoding as one device (the run above)."""
     import subprocess
     import sys
 
     _, root = cli_bench_decode
     out = root / "mesh"
-    cmd = [sys.executable, "-m", "clusterkv_jax.cli", "bench", "decode", "--model", smollm2_converted_dir,
-           *BENCH_DECODE_ARGS, "--text", str(root / "text.txt"), "--out", str(out), "--mesh", "data=2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    cmd = [sys.executable, "-m", "clusterkv_jax.cli", "bench", "decode", "--model", tiny_text_model[0],
+           *BENCH_DECODE_ARGS, "--text", str(tiny_text_model[1]), "--out", str(out), "--mesh", "data=2"]
+    # At the optimization level of the run above (a tiny model's test: conftest.MOST_OPTIMIZATIONS_OFF_ENV).
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, **MOST_OPTIMIZATIONS_OFF_ENV))
     assert proc.returncode == 0, proc.stderr[-3000:]
     tokens = {}
     for name in ("one", "mesh"):

@@ -105,19 +105,17 @@ def test_budget_covering_everything_matches_full_ppl_and_agreement():
 
 
 @pytest.mark.parametrize("command", ["ppl", "agreement", "recall"])
-def test_eval_commands_write_json_table_and_plot(command, smollm2_converted_dir, tmp_path):
+def test_eval_commands_write_json_table_and_plot(command, tiny_text_model, tmp_path):
     from clusterkv_jax.cli import main
-    from tests.helpers import long_text
 
-    text = tmp_path / "text.txt"
-    text.write_text(long_text()[:20_000])
+    model, text = tiny_text_model
     extra = {"ppl": ["--context", "300", "--eval-tokens", "8", "--windows", "2"],
              "agreement": ["--context", "300", "--new-tokens", "6", "--samples", "2"],
              "recall": ["--context", "300", "--steps", "2"]}[command]
     out = tmp_path / "out"
-    # One policy at two budgets (each budget a program of its own on SmolLM2): what the table and the plot show per
-    # budget; the other policies' scores are test_budget_covering_everything_matches_full_ppl_and_agreement's.
-    rc = main(["eval", command, "--model", smollm2_converted_dir, "--text", str(text), "--budgets", "64,128",
+    # One policy at two budgets: what the table and the plot show per budget; the other policies' scores are
+    # test_budget_covering_everything_matches_full_ppl_and_agreement's.
+    rc = main(["eval", command, "--model", model, "--text", text, "--budgets", "64,128",
                "--policies", "clusterkv", "--out", str(out), *extra])
     assert rc == 0
     results = json.loads((out / f"{command}.json").read_text())

@@ -152,7 +152,7 @@ def test_bad_generate_input_is_refused(smollm2):
         generate(no_tok, "hi", max_new_tokens=2)
 
 
-def test_cli_generate_runs_each_policy_and_times_prefill_and_decode(smollm2, smollm2_converted_dir, capsys):
+def test_cli_generate_runs_each_policy_and_times_prefill_and_decode(tiny_text_model, capsys):
     """`clusterkv generate --policy P --budget N`: ClusterKV with a budget over the prompt writes full KV's text;
     a budget under it runs the method (here other text, or the same). Each run says the prompt's tokens and what
     a step attends, prefill s and decode tokens/s (of the compiled programs), and a call that compiled them how long
@@ -161,11 +161,13 @@ def test_cli_generate_runs_each_policy_and_times_prefill_and_decode(smollm2, smo
 
     from clusterkv_jax.cli import main
 
-    prompt = smollm2.tokenizer.decode(long_text_ids(smollm2.tokenizer, 400))
-    n = len(smollm2.tokenizer.encode(prompt))
-    base = ["generate", "--model", smollm2_converted_dir, "--prompt", prompt, "--max-new-tokens", "6"]
+    model, text = tiny_text_model
+    with open(text, encoding="utf-8") as f:
+        prompt = " ".join(f.read().split()[:400])
+    n = 400  # a word a token
+    base = ["generate", "--model", model, "--prompt", prompt, "--max-new-tokens", "6"]
     texts = {}
-    attends = {"full": f"full KV attends all {n} prompt tokens and every generated one, in all 30 layers",
+    attends = {"full": f"full KV attends all {n} prompt tokens and every generated one, in all 4 layers",
                "clusterkv-all": f"clusterkv B=4096 attends all {n} prompt tokens: the budget B=4096 covers the prompt",
                "clusterkv": f"clusterkv B=64 attends 64 of the {n} prompt tokens per step chosen by cluster"}
     for name, flags in (("full", []), ("clusterkv-all", ["--policy", "clusterkv", "--budget", "4096"]),

@@ -92,16 +92,16 @@ def test_unwritable_out_is_refused_before_any_work(tiny_model, tmp_path):
     assert "ppl" not in proc.stdout and not os.path.exists("/proc/clusterkv-results")
 
 
-def test_outputs_never_write_over_inputs_or_into_directories(smollm2_converted_dir, tiny_model, tmp_path):
+def test_outputs_never_write_over_inputs_or_into_directories(tiny_text_model, tiny_model, tmp_path):
     """`--json` naming the input text once overwrote it with the results (exit 0); `--json` naming a directory ran
     the whole evaluation, then failed writing nothing; `--out` inside the checkpoint would write into it. Each is
-    refused before any work, and the input is unchanged (a run that would otherwise succeed: SmolLM2)."""
-    from tests.helpers import long_text
-
+    refused before any work, and the input is unchanged (a run that would otherwise succeed)."""
+    model, words = tiny_text_model
     text = tmp_path / "book.txt"
-    original = long_text()[:20_000]
+    with open(words, encoding="utf-8") as f:
+        original = f.read()
     text.write_text(original, encoding="utf-8")
-    base = ["eval", "recall", "--model", smollm2_converted_dir, "--text", str(text), "--context", "256", "--steps",
+    base = ["eval", "recall", "--model", model, "--text", str(text), "--context", "256", "--steps",
             "2", "--budgets", "64", "--policies", "streaming"]
     proc = run_cli(*base, "--json", str(text))
     assert_one_line_error(proc, "--json", "book.txt", "would write over the input --text")
