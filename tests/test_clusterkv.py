@@ -681,22 +681,21 @@ def test_a_gpus_loop_indexes_all_selecting_layers_in_one_loop(policy):
     """In a GPU's unrolled layer loop each selecting layer is a group of its own, and one loop over them indexes
     them all (`attend.indexed_in_one_loop`): a prefill, whole or chunked, stores their prompts in position order and
     indexes them after the layers (`index_prompt`), and a decode step indexes their windows in one loop
-    (`index_windows`). The policy states after prefill, per selecting layer, equal the scanned loop's, where each
-    layer indexes inside the loop; and the tokens of a generation that indexes two windows are the same."""
+    (`index_windows`). The tokens of a generation that indexes two windows, and the policy states it ends with
+    (the prompt's clusters or pages, then the windows'), per selecting layer, equal the scanned loop's, where each
+    layer indexes inside the loop."""
     from clusterkv_jax import attend, kernels
 
     model = Model(CFG, PARAMS, tokenizer=None)
-    ids = np.random.default_rng(8).integers(0, CFG.vocab_size, (1, 1024))
+    ids = np.random.default_rng(8).integers(0, CFG.vocab_size, 1000).tolist()
     results = {}
     for loop in kernels.LAYER_LOOPS:
         with kernels.forced_layer_loop(loop):
             assert attend.indexed_in_one_loop(init_cache(CFG, policy, 1, 1024).groups) == (loop == "unrolled")
             for chunk in (None, 512):
-                _, cache = prefill(PARAMS, jnp.asarray(ids), jnp.array([1000]), init_cache(CFG, policy, 1, 1024),
-                                   config=CFG, policy=policy, chunk=chunk)
-                tokens = generate(model, ids[0, :1000].tolist(), 40, policy=policy, stop_at_eos=False,
-                                  max_length=4096, prefill_chunk=chunk).tokens
-                results[loop, chunk] = jax.tree.leaves(jax.tree.map(np.asarray, cache.policy_state)), tokens
+                out = generate(model, ids, 40, policy=policy, stop_at_eos=False, max_length=4096,
+                               prefill_chunk=chunk, return_cache=True)
+                results[loop, chunk] = jax.tree.leaves(jax.tree.map(np.asarray, out.cache.policy_state)), out.tokens
     (want_state, want_tokens) = results["scanned", None]
     assert any(np.any(leaf) for leaf in want_state)
     for key, (state, tokens) in results.items():
