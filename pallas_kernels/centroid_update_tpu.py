@@ -9,12 +9,15 @@ The same problem as `centroid_update` (the Triton kernel) and `centroid_update_r
 with labels outside [0, C) ignored (and their keys zeroed first, so a NaN in a padding row reaches no sum).
 
 On a TPU the accumulation is a matrix product on the MXU: the grid is (C-blocks, N-blocks) with N innermost
-(a reduction: "arbitrary"), and each step adds onehot[BC, BN] x keys[BN, H + 1] into its output block, which
-stays in VMEM across the N-steps. The extra key column is 1, so the same product counts the members (exact in
-float32 up to 2^24 members). float32 keys are multiplied at `Precision.HIGHEST` (multi-pass bfloat16 on the MXU:
-float32 accuracy), bfloat16 keys at the default (their products are exact in float32); the one-hot factor is exact in any precision. Blocks: labels [1, BN] (BN a multiple of 128),
-keys [BN, H + 1] (the whole row), sums [BC, H + 1] (BC a multiple of 8); N and C are padded to whole blocks.
-The leading (batch, head) dims are one more, parallel, grid dim.
+(a reduction: "arbitrary"), and each step adds onehot[BC, BN] x keys[BN, H] into its sums block and the one-hot's
+row sums into its counts block, both staying in VMEM across the N-steps (counts in float32: exact up to 2^24
+members). float32 keys are multiplied at `Precision.HIGHEST` (multi-pass bfloat16 on the MXU: float32 accuracy),
+bfloat16 keys at the default (their products are exact in float32); the one-hot factor is exact in any precision.
+Blocks: labels [1, BN] (BN a multiple of 128), keys [BN, H] (the whole row), sums [BC, H] and counts [BC, 1] (BC a
+multiple of 8); N and C are padded to whole blocks. The leading (batch, head) dims are one more, parallel, grid dim.
+The keys go in as they are (zeroed where ignored): an earlier form appended a column of ones to count with the
+same product, and keys of H + 1 = 129 columns lie in HBM padded to 256 lanes: 260 MiB a copy at 32k (8 KV heads,
+float32), read once per K-means iteration (docs/research_log.md).
 """
 
 from __future__ import annotations
@@ -31,21 +34,25 @@ from jax.experimental.pallas import tpu as pltpu
 
 def _centroid_update_tpu_kernel(
     labels_ref,  # [1, BN] int32 this N-block's labels (-1: padding)
-    keys_ref,  # [BN, H + 1] float32 / bfloat16: this N-block's keys, then a column of ones
-    sums_ref,  # [BC, H + 1] float32 this C-block's sums (the last column: counts), accumulated over N-blocks
+    keys_ref,  # [BN, H] float32 / bfloat16: this N-block's keys
+    sums_ref,  # [BC, H] float32 this C-block's sums, accumulated over N-blocks
+    counts_ref,  # [BC, 1] float32 this C-block's member counts, likewise
     *,
     block_c: int,
 ):
     @pl.when(pl.program_id(2) == 0)  # grid (problem, C-block, N-block)
     def _():
         sums_ref[...] = jnp.zeros_like(sums_ref)
+        counts_ref[...] = jnp.zeros_like(counts_ref)
 
     clusters = pl.program_id(1) * block_c + lax.broadcasted_iota(jnp.int32, (block_c, labels_ref.shape[1]), 0)
-    onehot = (labels_ref[...] == clusters).astype(keys_ref.dtype)  # [BC, BN]
+    member = labels_ref[...] == clusters  # [BC, BN]
     # HIGHEST for float32 keys only: Mosaic rejects a bfloat16 product at fp32 contract precision ("Bad lhs type",
     # found by compiling for a v5e without one: `make aot-tpu`); bfloat16 products are exact in float32.
     precision = lax.Precision.HIGHEST if keys_ref.dtype == jnp.float32 else lax.Precision.DEFAULT
-    sums_ref[...] += jnp.dot(onehot, keys_ref[...], preferred_element_type=jnp.float32, precision=precision)
+    sums_ref[...] += jnp.dot(member.astype(keys_ref.dtype), keys_ref[...], preferred_element_type=jnp.float32,
+                             precision=precision)
+    counts_ref[...] += jnp.sum(member.astype(jnp.float32), axis=1, keepdims=True)
 
 
 @functools.partial(jax.jit, static_argnames=("num_clusters", "block_n", "block_c", "interpret"))
@@ -74,21 +81,22 @@ def centroid_update_tpu(
     n_pad, c_pad = pl.cdiv(N, block_n) * block_n, pl.cdiv(C, block_c) * block_c
     # Padding and ignored rows: label -1 (matches no cluster) and zero keys (no NaN reaches a sum).
     labels = jnp.pad(jnp.where(ok, labels, -1), [(0, 0)] * len(lead) + [(0, n_pad - N)], constant_values=-1)
-    rows = jnp.concatenate([keys.astype(dtype), jnp.ones((*lead, N, 1), dtype)], axis=-1)
-    rows = jnp.pad(jnp.where(ok[..., None], rows, 0), [(0, 0)] * len(lead) + [(0, n_pad - N), (0, 0)])
+    rows = jnp.pad(jnp.where(ok[..., None], keys.astype(dtype), 0), [(0, 0)] * len(lead) + [(0, n_pad - N), (0, 0)])
     # The problems as one more grid dim (not vmap: Mosaic's dimension semantics must name every grid dim).
     P = math.prod(lead)
-    out = pl.pallas_call(
+    sums, counts = pl.pallas_call(
         functools.partial(_centroid_update_tpu_kernel, block_c=block_c),
         grid=(P, c_pad // block_c, n_pad // block_n),
         in_specs=[
             pl.BlockSpec((None, 1, block_n), lambda p, c, n: (p, 0, n)),  # labels [P, 1, N]
-            pl.BlockSpec((None, block_n, H + 1), lambda p, c, n: (p, n, 0)),  # keys and ones [P, N, H + 1]
+            pl.BlockSpec((None, block_n, H), lambda p, c, n: (p, n, 0)),  # keys [P, N, H]
         ],
-        out_specs=pl.BlockSpec((None, block_c, H + 1), lambda p, c, n: (p, c, 0)),
-        out_shape=jax.ShapeDtypeStruct((P, c_pad, H + 1), jnp.float32),
+        out_specs=[pl.BlockSpec((None, block_c, H), lambda p, c, n: (p, c, 0)),
+                   pl.BlockSpec((None, block_c, 1), lambda p, c, n: (p, c, 0))],
+        out_shape=[jax.ShapeDtypeStruct((P, c_pad, H), jnp.float32), jax.ShapeDtypeStruct((P, c_pad, 1), jnp.float32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="centroid_update_tpu",
-    )(labels.reshape(P, 1, n_pad), rows.reshape(P, n_pad, H + 1)).reshape(*lead, c_pad, H + 1)
-    return out[..., :C, :H], jnp.round(out[..., :C, H]).astype(jnp.int32)
+    )(labels.reshape(P, 1, n_pad), rows.reshape(P, n_pad, H))
+    counts = jnp.round(counts.reshape(*lead, c_pad)[..., :C]).astype(jnp.int32)
+    return sums.reshape(*lead, c_pad, H)[..., :C, :], counts

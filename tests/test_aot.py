@@ -432,3 +432,21 @@ def test_no_kernel_reduces_for_several_layers(target):
     programs.append(_write_prompt_program(synthetic_config("llama3-8b", layers=8), Quest(budget=1024), target, 32768))
     for program in programs:
         assert _layers_merged(program.hlo) == [], program.name
+
+
+def test_centroid_update_holds_one_copy_of_the_keys_on_a_tpu(target):
+    """The Mosaic centroid accumulation at a 32k prompt (8 KV heads, 128 wide, float32, as K-means runs it) holds
+    at most one copy of its keys (zeroed where ignored) as device temporaries. It once appended a column of ones
+    to count the members with the same product: 129 columns lie in a TPU's HBM padded to 256 lanes, twice the
+    keys (272 MB here), and ClusterKV's v5e prefill at 32k held 1,806 MB of temporaries where now 1,581
+    (docs/research_log.md)."""
+    if target.platform != "tpu":
+        pytest.skip("the Mosaic kernel; a GPU runs XLA's segment sum (kernels.AUTO_ON_GPU)")
+    from pallas_kernels.centroid_update_tpu import centroid_update_tpu
+
+    keys = jax.ShapeDtypeStruct((1, 8, 33280, 128), jnp.float32)
+    program = aot.compile_for_device("centroid_update_tpu", jax.jit(lambda k, lab: centroid_update_tpu(k, lab, 415)),
+                                     target, keys, jax.ShapeDtypeStruct(keys.shape[:-1], jnp.int32))
+    assert "centroid_update_tpu" in program.kernels
+    key_bytes = np.prod(keys.shape) * 4
+    assert program.device_temp_bytes <= 1.01 * key_bytes, (program.device_temp_bytes, key_bytes)
