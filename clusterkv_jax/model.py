@@ -20,7 +20,7 @@ F MLP width, V vocabulary, L layers.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -300,9 +300,10 @@ def _mlp(layer: Params, config: ModelConfig, x: jax.Array) -> jax.Array:
     return x + mlp
 
 
-def _output_and_mlp(layer: Params, config: ModelConfig, x: jax.Array, attn: jax.Array) -> jax.Array:
+def _output_and_mlp(layer: Params, config: ModelConfig, x: jax.Array, attn: jax.Array,
+                    reread: Callable[[jax.Array], Params] | None = None) -> jax.Array:
     """Residual add of the attention output attn [B, T, N, H], then the MLP block, over at most `MLP_CHUNK`
-    tokens at a time."""
+    tokens at a time; `reread(i)`, where given, reads the layer's weights again in the loop's iteration i."""
     out = jnp.einsum("BTNH,NHD->BTD", attn.astype(x.dtype), layer["o"])
     if "o_bias" in layer:
         out = out + layer["o_bias"]
@@ -316,7 +317,8 @@ def _output_and_mlp(layer: Params, config: ModelConfig, x: jax.Array, attn: jax.
 
     def chunk(i, x):  # chunk i's rows are read, then overwritten: the loop updates x in place, no second buffer
         rows = jax.lax.dynamic_slice_in_dim(x, i * MLP_CHUNK, MLP_CHUNK, axis=1)
-        return jax.lax.dynamic_update_slice_in_dim(x, _mlp(layer, config, rows), i * MLP_CHUNK, axis=1)
+        weights = layer if reread is None else reread(i)
+        return jax.lax.dynamic_update_slice_in_dim(x, _mlp(weights, config, rows), i * MLP_CHUNK, axis=1)
 
     x = jnp.pad(x, ((0, 0), (0, n * MLP_CHUNK - T), (0, 0)))
     return jax.lax.fori_loop(0, n, chunk, x)[:, :T]
@@ -337,13 +339,13 @@ def _logits(params: Params, config: ModelConfig, x: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _layer(layer: Params, config: ModelConfig, x: jax.Array, cos_sin, attend):
+def _layer(layer: Params, config: ModelConfig, x: jax.Array, cos_sin, attend, reread=None):
     """One decoder layer. attend(q [B, T, N, H], k, v [B, T, K, H]) -> (attention output [B, T, N, H], *extra)
-    stores the new K/V and attends; returns (x after attention and MLP, extra)."""
+    stores the new K/V and attends; returns (x after attention and MLP, extra). `reread`: `_output_and_mlp`'s."""
     h = _norm(x, layer["attn_norm"], config)
     q, k, v = _project_qkv(layer, config, h, cos_sin)
     attn, *extra = attend(q, k, v)
-    return _output_and_mlp(layer, config, x, attn), extra
+    return _output_and_mlp(layer, config, x, attn, reread), extra
 
 
 def _run_layer(params: Params, config: ModelConfig, step, cos_sin, x: jax.Array, group: LayerGroup, index, i):
@@ -353,13 +355,23 @@ def _run_layer(params: Params, config: ModelConfig, step, cos_sin, x: jax.Array,
     The layer's policy state is written back only where the step returns one: a decode step changes none (the
     step hands back None; its windows are indexed between steps), and writing every layer's state back each step
     moves bytes that change nothing (docs/research_log.md)."""
+    reread = None
     if isinstance(params["layers"], dict):  # stacked: an int index is a static slice, a traced one a dynamic slice
-        layer = jax.tree.map(lambda p: p[index], params["layers"])
+        stack = params["layers"]
+        layer = jax.tree.map(lambda p: p[index], stack)
+        if not isinstance(index, int):
+            # A loop inside the layer (the MLP's chunks) that reads this slice makes it a loop operand, so XLA
+            # copies the layer's weights out of the stack (Llama-3-8B's MLP: 352 MB of a TPU's prefill
+            # temporaries). Sliced again in each iteration at an index tied to the loop's counter, the slice cannot
+            # be hoisted and stays inside the product that reads it.
+            def reread(counter):
+                at = jax.lax.optimization_barrier((index, counter))[0]
+                return jax.tree.map(lambda p: p[at], stack)
     else:
         layer = params["layers"][index]
     state = jax.tree.map(lambda s: s[i], group.state)
     x, (store, state) = _layer(layer, config, x, cos_sin,
-                               lambda q, k, v: step.attend(group, i, group.store, state, q, k, v))
+                               lambda q, k, v: step.attend(group, i, group.store, state, q, k, v), reread)
     if state is None:
         return x, group.replace(store=store)
     states = jax.tree.map(lambda s, new: jax.lax.dynamic_update_index_in_dim(s, new, i, 0), group.state, state)

@@ -160,6 +160,29 @@ def test_decode_reads_every_weight_in_place(target, policy):
         assert program.device_temp_bytes < k_projection, (program.device_temp_bytes, k_projection)
 
 
+def test_a_scanned_prefill_reads_the_mlp_weights_in_place(target):
+    """A prompt longer than `model.MLP_CHUNK` runs the MLP block in a loop over chunks of tokens. Under a scanned
+    layer loop (a TPU's, `kernels.layer_loop`) the layer's weights were a dynamic slice of the stack that the chunk
+    loop read, so XLA copied them out of the stack to be its operands: 471 MB of an 8k prefill's temporaries on a
+    v5e, and 2,201 MB of the offloaded ClusterKV prefill's at 32k where now 1,849. Each iteration now slices the
+    stack at an index it cannot hoist (docs/research_log.md): no loop carries a layer's MLP weight, and the
+    temporaries are below one layer's MLP weights (352 MB; 269 MB here)."""
+    if target.platform != "tpu":
+        pytest.skip("a GPU unrolls its layers over per-layer arrays (kernels.layer_loop): nothing is sliced")
+    from clusterkv_jax import model
+
+    context = 8192
+    assert context > model.MLP_CHUNK
+    program = aot.model_programs(CONFIG, {"p": FullKV()}, device=target, batch=1, context=context,
+                                 prefill=("p",))[1]
+    D, F = CONFIG.hidden_size, CONFIG.intermediate_size
+    loops = [line.split(" while(")[0] for line in program.hlo.splitlines() if re.search(r"\) while\(", line)]
+    assert loops, "the prefill has no loop to check"
+    assert not [loop for loop in loops if f"bf16[{D},{F}]{{" in loop or f"bf16[{F},{D}]{{" in loop]
+    mlp_weights = 3 * D * F * 2  # bfloat16
+    assert program.device_temp_bytes < mlp_weights, (program.device_temp_bytes, mlp_weights)
+
+
 def _top_level(hlo: str, op: str) -> int:
     """How many `op` instructions (conditional, while) the entry computation runs on every call."""
     entry = re.search(r"\nENTRY [^\n]*\{\n(.*?)\n\}", hlo, re.S).group(1)
