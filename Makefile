@@ -49,7 +49,8 @@ check-lowering: setup
 
 # Deviceless compilation (no GPU or TPU needed) for an H100 (jax's CUDA plugin and ptxas) or a TPU v5e (libtpu),
 # each in a venv of its own, so the project venv's jax never tries to load CUDA or a TPU runtime. Runs
-# tests/test_aot.py for that platform, then prints the compiled decode steps and prefills (clusterkv_jax.aot).
+# tests/test_aot.py for that platform, whose CLI test prints the compiled decode steps and prefills (the table of
+# `python -m clusterkv_jax.aot --platform cuda|tpu`, in the same process as the tests: programs compiled once).
 $(VENV)-aot-%/.aot: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)-aot-$*
 	$(VENV)-aot-$*/bin/python -m pip install --disable-pip-version-check -q -c constraints.txt -e '.[aot-$*]' pytest
@@ -60,7 +61,6 @@ aot-cuda aot-tpu: aot-%: $(VENV)-aot-%/.aot
 	start=$$(date +%s) && \
 	JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 CLUSTERKV_AOT_REQUIRED=$* $(VENV)-aot-$*/bin/python -m pytest -q \
 	    -p no:cacheprovider tests/test_aot.py && \
-	JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 $(VENV)-aot-$*/bin/python -m clusterkv_jax.aot --platform $* && \
 	echo "aot-$*: compiled and checked in $$(( $$(date +%s) - start ))s"
 
 clean:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import re
 import sys
 import time
@@ -70,6 +71,7 @@ INSTALL_HINT = (
 )
 
 
+@functools.cache  # one device per target in a process: `compile_for_device` keeps programs by device
 def cuda_target(spec: str = H100_SXM):
     """A compile-only CUDA device described by `spec` (GpuTargetConfigProto text). RuntimeError, saying what to
     install, when jax has no CUDA plugin here."""
@@ -82,6 +84,7 @@ def cuda_target(spec: str = H100_SXM):
     return topology.devices[0]
 
 
+@functools.cache  # and libtpu's topology takes seconds to describe
 def tpu_target(topology: str = "v5e:2x2"):
     """A compile-only TPU core of `topology` (its first), from libtpu (`pip install jax[tpu]==<jax version>`)."""
     from jax.experimental import topologies
@@ -150,9 +153,18 @@ def _kernels(hlo: str) -> tuple[str, ...]:
     return tuple(sorted(names))
 
 
+#: What `compile_for_device` compiled in this process, by target and StableHLO module: the same module compiled for
+#: the same target again gives the same program, and compiling is most of a deviceless check's time (tests/test_aot.py
+#: compiles ClusterKV's decode step in seven tests). Keyed by the lowered text, so a program traced under another
+#: kernel choice or option is another entry. Bounded: the oldest entries go first.
+_COMPILED: dict[tuple, Compiled] = {}
+_COMPILED_KEPT = 64
+
+
 def compile_for_device(name: str, jitted, device, *args, **kwargs) -> Compiled:
     """Traces `jitted` (a `jax.jit` function) on abstract args, choosing kernels for `device`, lowers it for the
-    device's platform (cuda, tpu) and compiles it with the device's compile-only client."""
+    device's platform (cuda, tpu) and compiles it with the device's compile-only client (once per distinct module
+    and target in a process: `_COMPILED`; `seconds` is then the first compile's)."""
     from jax._src.lib import xla_client  # the compile-only client's API is not public in jax 0.10.2
 
     from pallas_kernels.dispatch import compile_for
@@ -161,16 +173,24 @@ def compile_for_device(name: str, jitted, device, *args, **kwargs) -> Compiled:
     with compile_for(device):
         platform = {"gpu": "cuda"}.get(device.platform, device.platform)
         lowered = jitted.trace(*args, **kwargs).lower(lowering_platforms=(platform,))
+    module = lowered.compiler_ir("stablehlo")
+    key = (device, str(module))  # the device object: its target description, not only its kind
+    if key in _COMPILED:
+        return dataclasses.replace(_COMPILED[key], name=name)
     options = xla_client.CompileOptions()
-    executable = device.client.compile(lowered.compiler_ir("stablehlo"),
-                                       executable_devices=xla_client.DeviceList((device,)), compile_options=options)
+    executable = device.client.compile(module, executable_devices=xla_client.DeviceList((device,)),
+                                       compile_options=options)
     seconds = time.perf_counter() - start
     stats = executable.get_compiled_memory_stats()
     hlo = "\n".join(m.to_string() for m in executable.hlo_modules())
-    return Compiled(name=name, seconds=seconds, kernels=_kernels(hlo),
-                    device_argument_bytes=stats.argument_size_in_bytes, device_temp_bytes=stats.temp_size_in_bytes,
-                    host_argument_bytes=stats.host_argument_size_in_bytes, hlo=hlo,
-                    bytes_accessed=_bytes_accessed(executable))
+    compiled = Compiled(name=name, seconds=seconds, kernels=_kernels(hlo),
+                        device_argument_bytes=stats.argument_size_in_bytes, device_temp_bytes=stats.temp_size_in_bytes,
+                        host_argument_bytes=stats.host_argument_size_in_bytes, hlo=hlo,
+                        bytes_accessed=_bytes_accessed(executable))
+    _COMPILED[key] = compiled
+    while len(_COMPILED) > _COMPILED_KEPT:
+        del _COMPILED[next(iter(_COMPILED))]
+    return compiled
 
 
 def _bytes_accessed(executable) -> float | None:
