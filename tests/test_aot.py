@@ -385,7 +385,7 @@ def test_family_geometries_compile_with_the_pallas_kernels(target, geometry):
 def test_cli_prints_one_row_per_program(target, capsys):
     """`python -m clusterkv_jax.aot` at its defaults (4 layers of Llama-3-8B, 32k, batch 1): one row per program, all
     compiled. The table is the one `make aot-cuda` / `make aot-tpu` shows: printed here, not compiled again by a run
-    of its own (programs the tests above compiled, the CLI takes from `aot._COMPILED`)."""
+    of its own; programs that it and other tests of this process both compile are compiled once (`aot._COMPILED`)."""
     platform = "cuda" if target.platform == "gpu" else "tpu"
     assert aot.main(["--platform", platform]) == 0
     out = capsys.readouterr().out
