@@ -124,6 +124,27 @@ def _forcing(overrides: list, value):
         jax.clear_caches()
 
 
+def qkv_model_dim_last() -> bool:
+    """Whether `model.for_device` stores q/k/v weights with the model dim last ([heads, H, D],
+    `model.move_model_dim_last`) for the device being traced for: on a TPU. XLA:TPU lays a [D, heads, H] weight
+    out anew before a prompt's projection reads it (in a scanned prefill each layer's, or the whole stacks before
+    two scans: ClusterKV@1024's 32k prefill held 204 MB more than full KV's on a v5e, deviceless); [heads, H, D] it
+    reads in place. A GPU reads its fused layout (`model.fuse_layer`), and XLA:CPU projected one token from
+    [heads, H, D] about half as fast (SmolLM2's q/k/v, 0.15 ms against 0.08), so there they stay as they are."""
+    if _model_dim_last_override:
+        return _model_dim_last_override[-1]
+    return dispatch.on_tpu()
+
+
+_model_dim_last_override: list[bool] = []
+
+
+def forced_qkv_model_dim_last(last: bool):
+    """`qkv_model_dim_last()` is `last` inside this block, whatever the device (tests: the CPU reads a TPU's
+    layout)."""
+    return _forcing(_model_dim_last_override, bool(last))
+
+
 def forced_chunks_read_row_by_row(by_row: bool):
     """Traces as if `chunks_read_row_by_row()` were `by_row` inside this block (tests)."""
     return _forcing(_row_override, bool(by_row))

@@ -7,7 +7,8 @@ embeddings, GeGLU, score scale and soft-capping, and a RoPE base of its own for 
 Parameters are a plain pytree (see `param_shapes`), each layer parameter stacked on a leading [L] axis; every
 function here is pure and jit-able. On a GPU the layers run in a plain Python loop over per-layer arrays, each
 layer's q/k/v and gate/up weights fused into one array each (`for_device`), so XLA reads each weight once a step;
-elsewhere a `lax.scan` runs them over the stacks. How a layer stores its K/V and attends (to every token, to its
+elsewhere a `lax.scan` runs them over the stacks (on a TPU q/k/v stored with the model dim last, which it reads
+in place). How a layer stores its K/V and attends (to every token, to its
 window, or to what a KV policy selects) is `clusterkv_jax.attend`'s: the model hands each layer's q, k, v to the
 step it runs (`attend.Prefill`, `attend.PrefillChunk`, `attend.Decode`) and knows nothing of the policy. A
 layer's K/V live in its group's store (`clusterkv_jax.cache`), written in place one row per layer. Norms, RoPE,
@@ -79,22 +80,37 @@ LAYER_PARAM_AXES = {
     # The fused layout (`fuse_layer`).
     "qkv": ("layers", "embed", "kv_heads", "qkv", "head_dim"), "qkv_bias": ("layers", "kv_heads", "qkv", "head_dim"),
     "gate_up": ("layers", "embed", "gate_up", "mlp"),
+    # The model dim last (`move_model_dim_last`).
+    "q_t": ("layers", "heads", "head_dim", "embed"), "k_t": ("layers", "kv_heads", "head_dim", "embed"),
+    "v_t": ("layers", "kv_heads", "head_dim", "embed"),
 }
 #: What `fuse_layer` makes of which layer parameters.
 FUSED = {"qkv": ("q", "k", "v"), "qkv_bias": ("q_bias", "k_bias", "v_bias"), "gate_up": ("gate", "up")}
+#: What `move_model_dim_last` makes of which: q, k and v transposed ("_t"), [..., heads, H, D].
+MODEL_DIM_LAST = {"q_t": ("q",), "k_t": ("k",), "v_t": ("v",)}
+#: The layouts of a layer's parameters the model reads: for each, the parameters it has in place of which of
+#: `param_shapes`' ("canonical").
+LAYOUTS = {"canonical": {}, "fused": FUSED, "model_dim_last": MODEL_DIM_LAST}
 #: The same for the parameters outside the layers.
 PARAM_AXES = {"embed": ("vocab", "embed"), "final_norm": ("embed",), "lm_head": ("embed", "vocab")}
 
 
-def param_axes(config: ModelConfig, fused: bool = False) -> Params:
-    """`param_shapes(config)` with each shape replaced by its dims' logical names (a tuple of str); with `fused`,
-    of the layers' fused layout (`fuse_layer`)."""
+def layout_of(layer: Params) -> str:
+    """Which of `LAYOUTS` a layer's parameters (one layer's or stacked) are in."""
+    return next((layout for layout, replaced in LAYOUTS.items() if replaced and next(iter(replaced)) in layer),
+                "canonical")
+
+
+def param_axes(config: ModelConfig, layout: str = "canonical") -> Params:
+    """`param_shapes(config)` with each shape replaced by its dims' logical names (a tuple of str), the layers'
+    parameters in `layout` (one of `LAYOUTS`)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"parameter layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     shapes = param_shapes(config)
     named = {name: PARAM_AXES[name] for name in shapes if name != "layers"}
-    names = list(shapes["layers"])
-    if fused:
-        names = [n for n in names if not any(n in parts for parts in FUSED.values())] + [
-            fused_name for fused_name, parts in FUSED.items() if parts[0] in shapes["layers"]]
+    replaced = LAYOUTS[layout]
+    names = [n for n in shapes["layers"] if not any(n in parts for parts in replaced.values())] + [
+        new_name for new_name, parts in replaced.items() if parts[0] in shapes["layers"]]
     named["layers"] = {name: LAYER_PARAM_AXES[name] for name in names}
     return named
 
@@ -143,17 +159,29 @@ def _grouped_by_kv_head(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     return jnp.concatenate([q.reshape(*lead, K, N // K, H), k[..., None, :], v[..., None, :]], axis=-2)
 
 
-def _laid_out(fuse, first: jax.Array, *rest: jax.Array) -> jax.Array:
-    """fuse(first, *rest), a fused array with one dim more, placed as `first` is (split over a mesh along the same
-    dims; the new dim, before the last, whole): a sharded layer's weights are fused on each device's shard, never
-    gathered."""
+def _laid_out(lay_out, respec, first: jax.Array, *rest: jax.Array) -> jax.Array:
+    """lay_out(first, *rest), placed as `first` is, its dims' splits over a mesh moved as respec(first's
+    PartitionSpec as a tuple, one entry a dim) says: a sharded layer's weights are laid out anew on each device's
+    shard, never gathered."""
     sharding = getattr(first, "sharding", None)
     if not isinstance(sharding, jax.sharding.NamedSharding):
-        return fuse(first, *rest)
+        return lay_out(first, *rest)
     spec = tuple(sharding.spec) + (None,) * (first.ndim - len(sharding.spec))
-    placed = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[:-1], None, spec[-1]),
+    placed = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*respec(spec)),
                                         memory_kind=sharding.memory_kind)
-    return jax.jit(fuse, out_shardings=placed)(first, *rest)
+    return jax.jit(lay_out, out_shardings=placed)(first, *rest)
+
+
+def _fused_spec(spec: tuple) -> tuple:
+    """A fused array's splits (`fuse_layer`): its parts' dims split alike, the new dim before the last whole."""
+    return (*spec[:-1], None, spec[-1])
+
+
+def _free(layer: dict[str, Any], kept: dict[str, Any]) -> None:
+    """Deletes the arrays of `layer` that `kept` (its parameters laid out anew) no longer holds."""
+    for name in layer.keys() - kept.keys():
+        if isinstance(layer[name], jax.Array):
+            layer[name].delete()
 
 
 def fuse_layer(layer: dict[str, Any], free: bool = False) -> dict[str, Any]:
@@ -172,26 +200,54 @@ def fuse_layer(layer: dict[str, Any], free: bool = False) -> dict[str, Any]:
     if "q" not in layer:
         return layer
     out = {name: array for name, array in layer.items() if not any(name in parts for parts in FUSED.values())}
-    out["qkv"] = _laid_out(_grouped_by_kv_head, layer["q"], layer["k"], layer["v"])
+    out["qkv"] = _laid_out(_grouped_by_kv_head, _fused_spec, layer["q"], layer["k"], layer["v"])
     if "q_bias" in layer:
-        out["qkv_bias"] = _laid_out(_grouped_by_kv_head, layer["q_bias"], layer["k_bias"], layer["v_bias"])
-    out["gate_up"] = _laid_out(lambda gate, up: jnp.stack([gate, up], axis=-2), layer["gate"], layer["up"])
+        out["qkv_bias"] = _laid_out(_grouped_by_kv_head, _fused_spec, layer["q_bias"], layer["k_bias"],
+                                    layer["v_bias"])
+    out["gate_up"] = _laid_out(lambda gate, up: jnp.stack([gate, up], axis=-2), _fused_spec, layer["gate"],
+                               layer["up"])
     if free:
-        for name in layer.keys() - out.keys():
-            if isinstance(layer[name], jax.Array):
-                layer[name].delete()
+        _free(layer, out)
+    return out
+
+
+def move_model_dim_last(layer: dict[str, Any], free: bool = False) -> dict[str, Any]:
+    """A layer's parameters (one layer's, or stacked on [L]) with q [..., D, N, H], k and v [..., D, K, H] as
+    "q_t" [..., N, H, D], "k_t" and "v_t" [..., K, H, D] (`MODEL_DIM_LAST`; HF's own [out, in] order); the rest
+    as they are. The model reads either layout.
+
+    Why: XLA:TPU lays a [D, heads, H] weight out anew before a prompt's projection reads it. In a scanned layer
+    loop it copied each layer's q/k/v weights in every prefill, and where the layers run in two scans (full
+    layers, then selecting ones) it relaid the whole stacks before both: ClusterKV@1024's 32k prefill of 4
+    Llama-3-8B layers held 1,581 MB of device temporaries on a v5e against full KV's 1,377 MB (deviceless;
+    docs/research_log.md). Stored [heads, H, D] the weights are read in place, and a one-token projection costs the
+    same. Sharded, each device transposes its own shard (split by head, as before). `free` deletes q, k and v once
+    moved. Layers in another layout come back as they are."""
+    if layout_of(layer) != "canonical":
+        return layer
+    out = {name: array for name, array in layer.items() if not any(name in parts for parts in MODEL_DIM_LAST.values())}
+    for moved, (name,) in MODEL_DIM_LAST.items():
+        out[moved] = _laid_out(lambda w: jnp.moveaxis(w, -3, -1), lambda spec: (*spec[:-3], *spec[-2:], spec[-3]),
+                               layer[name])
+        if free and isinstance(layer[name], jax.Array):
+            layer[name].delete()  # one weight at a time: the weights are never twice on the device
     return out
 
 
 def for_device(params: Params, free: bool = False) -> Params:
-    """`params` in the layout the device's layer loop reads best (`kernels.layer_loop`): on a GPU per layer
-    (`unstack_layers`) and fused (`fuse_layer`), `free` as there; stacked as they are elsewhere, where nothing
-    turns a small projection into a written-out product (the TPU's and the CPU's scanned steps hold no such
-    scratch)."""
-    if kernels.layer_loop() != "unrolled":
-        return params
-    per_layer = unstack_layers(params, free)
-    return {**per_layer, "layers": tuple(fuse_layer(layer, free) for layer in per_layer["layers"])}
+    """`params` in the layout the device reads best: on a GPU per layer (`unstack_layers`, for its unrolled layer
+    loop: `kernels.layer_loop`) and fused (`fuse_layer`); on a TPU stacked, q/k/v with the model dim last
+    (`move_model_dim_last`, `kernels.qkv_model_dim_last`); elsewhere as they are. `free` deletes each array given
+    once it is laid out anew."""
+    if kernels.layer_loop() == "unrolled":
+        per_layer = unstack_layers(params, free)
+        return {**per_layer, "layers": tuple(fuse_layer(layer, free) for layer in per_layer["layers"])}
+    if kernels.qkv_model_dim_last():
+        layers = params["layers"]
+        moved = (move_model_dim_last(layers, free) if isinstance(layers, dict)
+                 else tuple(move_model_dim_last(layer, free) for layer in layers))
+        return {**params, "layers": moved}
+    return params
 
 
 def _stacked_layers(params: Params) -> Params:
@@ -261,10 +317,11 @@ def _project_qkv(layer: Params, config: ModelConfig, x: jax.Array, cos_sin: tupl
     else:
         # A product per part: a prompt's q, k and v are each written where the attention and the store read
         # them, not split out of one fused output (at 32k, 0.4 GB more read and written a layer).
-        (wq, wk, wv), biases = _qkv_parts(layer, "qkv"), _qkv_parts(layer, "qkv_bias")
-        q = jnp.einsum("BTD,DNH->BTNH", x, wq)
-        k = jnp.einsum("BTD,DKH->BTKH", x, wk)
-        v = jnp.einsum("BTD,DKH->BTKH", x, wv)
+        biases = _qkv_parts(layer, "qkv_bias")
+        if "q_t" in layer:  # the model dim last (`move_model_dim_last`)
+            q, k, v = (jnp.einsum("BTD,NHD->BTNH", x, layer[name]) for name in MODEL_DIM_LAST)
+        else:
+            q, k, v = (jnp.einsum("BTD,DNH->BTNH", x, w) for w in _qkv_parts(layer, "qkv"))
         if biases is not None:
             q, k, v = q + biases[0], k + biases[1], v + biases[2]
     if "q_norm" in layer:

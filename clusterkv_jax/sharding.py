@@ -53,7 +53,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from clusterkv_jax import axes, kernels
 from clusterkv_jax.cache import KVCache, init_cache, memory_kinds
 from clusterkv_jax.config import ModelConfig
-from clusterkv_jax.model import param_axes
+from clusterkv_jax.model import layout_of, param_axes
 from clusterkv_jax.offload import host_memory_kind
 from clusterkv_jax.ops import ShardAxes
 
@@ -283,21 +283,21 @@ def _as_rules(config, mesh_or_rules, batch_size=None) -> ShardingRules:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def param_specs(config: ModelConfig, rules: ShardingRules, fused: bool = False) -> dict[str, Any]:
-    """PartitionSpecs in the layout of `model.param_shapes` (with `fused`, the layers' fused layout:
-    `model.fuse_layer`), from the logical axes `model.param_axes` names: Megatron-style heads / MLP width split on
+def param_specs(config: ModelConfig, rules: ShardingRules, layout: str = "canonical") -> dict[str, Any]:
+    """PartitionSpecs in the layout of `model.param_shapes`, the layers' parameters in `layout` (one of
+    `model.LAYOUTS`), from the logical axes `model.param_axes` names: Megatron-style heads / MLP width split on
     "model"."""
-    return jax.tree.map(lambda names: rules.spec(axes.Axes(names)), param_axes(config, fused),
+    return jax.tree.map(lambda names: rules.spec(axes.Axes(names)), param_axes(config, layout),
                         is_leaf=lambda x: isinstance(x, tuple))
 
 
-def param_shardings(config: ModelConfig, mesh_or_rules, per_layer: bool = False, fused: bool = False
+def param_shardings(config: ModelConfig, mesh_or_rules, per_layer: bool = False, layout: str = "canonical"
                     ) -> dict[str, Any]:
     """NamedShardings in the layout of `model.param_shapes`, or with `per_layer` in that of `model.unstack_layers`
-    (each layer's arrays without the leading "layers" dim, which is never split); with `fused`, the layers' q/k/v
-    and gate/up fused (`model.fuse_layer`: what `model.for_device` gives a GPU)."""
+    (each layer's arrays without the leading "layers" dim, which is never split); the layers' parameters in
+    `layout` (`model.LAYOUTS`: "fused" is what `model.for_device` gives a GPU, "model_dim_last" a TPU)."""
     rules = _as_rules(config, mesh_or_rules)
-    specs = param_specs(config, rules, fused)
+    specs = param_specs(config, rules, layout)
     if per_layer:
         layer = {name: P(*spec[1:]) for name, spec in specs["layers"].items()}
         specs = {**specs, "layers": tuple(dict(layer) for _ in range(config.num_layers))}
@@ -305,11 +305,11 @@ def param_shardings(config: ModelConfig, mesh_or_rules, per_layer: bool = False,
 
 
 def shard_params(params, config: ModelConfig, mesh) -> Any:
-    """Places `params` (stacked or per layer) on `mesh` (a Mesh, a spec such as "data=2,model=2", or ShardingRules).
-    Arrays that already have their sharding are not copied."""
+    """Places `params` (stacked or per layer, in any of `model.LAYOUTS`) on `mesh` (a Mesh, a spec such as
+    "data=2,model=2", or ShardingRules). Arrays that already have their sharding are not copied."""
     per_layer = not isinstance(params["layers"], dict)
-    fused = "qkv" in (params["layers"][0] if per_layer else params["layers"])
-    shardings = param_shardings(config, mesh, per_layer=per_layer, fused=fused)
+    layout = layout_of(params["layers"][0] if per_layer else params["layers"])
+    shardings = param_shardings(config, mesh, per_layer=per_layer, layout=layout)
     return jax.tree.map(lambda x, s: x if getattr(x, "sharding", None) == s else jax.device_put(x, s),
                         params, shardings)
 

@@ -25,7 +25,7 @@ from clusterkv_jax.decode_loop import generate_ids
 from clusterkv_jax.sampling import Sampling
 from clusterkv_jax.steps import decode_step, prefill
 from clusterkv_jax.loading import Model
-from clusterkv_jax.model import for_device, fuse_layer, init_params, unstack_layers
+from clusterkv_jax.model import for_device, fuse_layer, init_params, move_model_dim_last, unstack_layers
 from pallas_kernels import dispatch
 
 # 4 query / 2 KV heads: model=2 splits them. 6 / 3: it cannot (the fallback replicates them).
@@ -193,6 +193,23 @@ def main(out_path: str) -> None:
         and np.array_equal(np.asarray(fused[i]["qkv"])[:, kv, :G], stacked["q"][i][:, kv * G:(kv + 1) * G])
         and np.array_equal(np.asarray(fused[i]["gate_up"])[:, 1], stacked["up"][i])
         for i in range(CFG.num_layers) for kv in range(CFG.num_kv_heads))
+    # Stacked, q/k/v with the model dim last (what `for_device` gives a TPU, `move_model_dim_last`), moved from the
+    # placed ones: split by head as before, each device transposing its own shard, so `shard_params` moves nothing;
+    # generated on the mesh from them, ClusterKV's tokens are the unsharded ones.
+    moved = move_model_dim_last(layers)
+    placed_again = sh.shard_params({**model.params, "layers": moved}, CFG, mesh)["layers"]
+    res["moved_placed_as_sharded"] = all(x is y for x, y in zip(jax.tree.leaves(moved), jax.tree.leaves(placed_again)))
+    want.update({
+        "params.model_dim_last.q_t": (moved["q_t"], named(None, "model", None, None)),
+        "params.model_dim_last.v_t": (moved["v_t"], named(None, "model", None, None)),
+    })
+    res["moved_values_equal"] = all(np.array_equal(np.asarray(moved[name + "_t"]), np.moveaxis(stacked[name], 1, -1))
+                                    for name in ("q", "k", "v"))
+    moved_model = Model(CFG, {**placed[2], "layers": moved}, tokenizer=None)
+    res["tokens"]["model_dim_last"] = {
+        "plain": res["tokens"]["clusterkv"]["plain"],
+        "sharded": generate(moved_model, prompts, NEW, policy=POLICIES["clusterkv"], mesh=mesh,
+                            stop_at_eos=False).tokens}
     res["shardings"] = {k: _sharding_report(x, s) for k, (x, s) in want.items()}
     # A second call reuses the placed parameters (no new placement).
     generate(model, prompts[:2], NEW, policy=POLICIES["full"], mesh=mesh, stop_at_eos=False)

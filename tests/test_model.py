@@ -111,9 +111,10 @@ def test_bfloat16_params_stay_close_to_float32(smollm2):
 def test_either_layer_loop_over_either_parameter_layout_gives_the_same_logits():
     """A GPU runs the layers in a Python loop over per-layer parameters, q/k/v and gate/up fused
     (`kernels.layer_loop`, `model.for_device`); elsewhere a `lax.scan` over the stacked ones, the form the HF
-    comparisons check. On a tiny Gemma-3-like model (windowed layers with a RoPE base of their own among global
-    ones; ClusterKV selecting after one full layer), both loops over three layouts (stacked, per layer, per layer
-    fused) give the same prefill logits at every position and the same logits in each of 6 decode steps, which
+    comparisons check, on a TPU with q/k/v's model dim last (`kernels.qkv_model_dim_last`). On a tiny
+    Gemma-3-like model (windowed layers with a RoPE base of their own among global ones; ClusterKV selecting after
+    one full layer), both loops over four layouts (stacked, per layer, per layer fused, stacked with the model dim
+    last) give the same prefill logits at every position and the same logits in each of 6 decode steps, which
     cross ClusterKV's decode-time clustering, and the same policy state."""
     from clusterkv_jax import ClusterKV, ModelConfig, kernels, model
 
@@ -129,8 +130,11 @@ def test_either_layer_loop_over_either_parameter_layout_gives_the_same_logits():
     np.testing.assert_array_equal(per_layer["layers"][2]["q"], stacked["layers"]["q"][2])
     with kernels.forced_layer_loop("unrolled"):
         gpu = model.for_device(stacked)  # per layer and fused
-    assert set(gpu["layers"][4]) == set(model.param_axes(config, fused=True)["layers"])
-    layouts = {"stacked": stacked, "per layer": per_layer, "per layer, fused": gpu}
+    assert set(gpu["layers"][4]) == set(model.param_axes(config, "fused")["layers"])
+    with kernels.forced_qkv_model_dim_last(True):
+        tpu = model.for_device(stacked)  # stacked, q/k/v [L, heads, H, D]
+    assert set(tpu["layers"]) == set(model.param_axes(config, "model_dim_last")["layers"])
+    layouts = {"stacked": stacked, "per layer": per_layer, "per layer, fused": gpu, "stacked, model dim last": tpu}
     ids = np.random.default_rng(0).integers(0, config.vocab_size, (1, 64))
     results = {}
     for loop in kernels.LAYER_LOOPS:
@@ -167,7 +171,7 @@ def test_fused_layer_holds_each_kv_heads_query_key_and_value_heads():
     G = 3
     for layer, lead in ((stacked, (2,)), (jax.tree.map(lambda x: x[1], stacked), ())):
         fused = jax.tree.map(np.asarray, model.fuse_layer(jax.tree.map(jnp.asarray, layer)))
-        assert set(fused) == set(model.param_axes(config, fused=True)["layers"])
+        assert set(fused) == set(model.param_axes(config, "fused")["layers"])
         assert fused["qkv"].shape == (*lead, 16, 2, G + 2, 4) and fused["gate_up"].shape == (*lead, 16, 2, 24)
         for j in range(2):
             for g in range(G):
@@ -193,6 +197,35 @@ def test_fused_layer_holds_each_kv_heads_query_key_and_value_heads():
         assert jax.tree.structure(want) == jax.tree.structure(gpu["layers"][i])
         for got, expected in zip(jax.tree.leaves(gpu["layers"][i]), jax.tree.leaves(want)):
             np.testing.assert_array_equal(got, expected)
+
+
+def test_model_dim_last_layout_holds_each_weight_transposed():
+    """`model.move_model_dim_last` (a TPU's q/k/v layout), against NumPy: q_t[..., n, h, d] is q[..., d, n, h], k_t
+    and v_t alike, stacked or one layer's; the biases and other parameters untouched; a layer in another layout
+    comes back as it is. `for_device` on a TPU gives it and deletes each stacked array it moved."""
+    from clusterkv_jax import ModelConfig, kernels, model
+
+    config = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=6,
+                         num_kv_heads=2, head_dim=4, max_position_embeddings=64, qkv_bias=True)
+    params = model.init_params(config, jax.random.key(0))
+    stacked = jax.tree.map(np.asarray, params["layers"])
+    for layer in (stacked, jax.tree.map(lambda x: x[1], stacked)):
+        moved = jax.tree.map(np.asarray, model.move_model_dim_last(jax.tree.map(jnp.asarray, layer)))
+        assert model.layout_of(moved) == "model_dim_last" and model.layout_of(layer) == "canonical"
+        assert set(moved) == set(model.param_axes(config, "model_dim_last")["layers"])
+        for name in ("q", "k", "v"):
+            np.testing.assert_array_equal(moved[name + "_t"], np.einsum("...dnh->...nhd", layer[name]))
+        for name in ("q_bias", "k_bias", "o", "gate", "attn_norm"):
+            np.testing.assert_array_equal(moved[name], layer[name])
+    fused = model.fuse_layer(params["layers"])
+    assert model.move_model_dim_last(fused) is fused and model.fuse_layer(moved) is moved
+    with pytest.raises(ValueError, match="layout must be one of"):
+        model.param_axes(config, "transposed")
+    with kernels.forced_qkv_model_dim_last(True):
+        tpu = model.for_device(params, free=True)
+    assert all(params["layers"][name].is_deleted() for name in ("q", "k", "v"))
+    assert not params["layers"]["o"].is_deleted() and tpu["layers"]["o"] is params["layers"]["o"]
+    np.testing.assert_array_equal(tpu["layers"]["q_t"], np.einsum("ldnh->lnhd", stacked["q"]))
 
 
 @pytest.mark.parametrize("window, cap", [(None, None), (100, None), (None, 30.0), (300, 30.0)])

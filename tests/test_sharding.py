@@ -42,9 +42,10 @@ def report(tmp_path_factory):
 
 
 @pytest.mark.parametrize("policy", ["full", "full_offload", "clusterkv", "clusterkv_offload", "clusterkv_kernels",
-                                    "snapkv", "infinigen"])
+                                    "snapkv", "infinigen", "model_dim_last"])
 def test_sharded_generation_equals_unsharded(report, policy):
-    """clusterkv_kernels: the Pallas kernels (interpret mode) run per shard under shard_map."""
+    """clusterkv_kernels: the Pallas kernels (interpret mode) run per shard under shard_map. model_dim_last:
+    ClusterKV from q/k/v stored as a TPU stores them (`model.move_model_dim_last`)."""
     got = report["tokens"][policy]
     assert len(got["plain"]) == 8 and all(len(t) == 16 for t in got["plain"])
     assert got["sharded"] == got["plain"]
@@ -91,6 +92,8 @@ def test_arrays_have_the_intended_shardings(report):
     assert report["per_layer_values_equal"], "per-layer parameters placed on the mesh differ from the stacked ones"
     assert report["fused_values_equal"], "fused parameters placed on the mesh differ from the separate ones"
     assert report["fused_placed_as_sharded"], "fusing sharded parameters did not keep their split"
+    assert report["moved_values_equal"], "q/k/v with the model dim last differ from the separate ones"
+    assert report["moved_placed_as_sharded"], "moving sharded q/k/v's model dim last did not keep their split"
 
 
 def test_compiled_program_has_no_gather_of_kv(report):
