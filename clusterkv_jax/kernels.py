@@ -356,9 +356,10 @@ def forced_prompt_attention(impl: str, interpret: bool = False):
 def prompt_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = None,
                      cap: float | None = None, block: int = 512) -> jax.Array:
     """Causal attention of a whole prompt to itself: q [B, T, N, H], k and v [B, T, K, H] -> [B, T, N, H]
-    (float32 from XLA, q's dtype from a fused kernel: no float32 copy of the output is made), each query over its last `window` positions when given, scores soft-capped by `cap` when given,
-    through the platform's fused kernel (`prompt_attention_impl`; a layer it cannot take falls back to XLA,
-    said once in the log). No [T, T] score matrix exists in memory on any path."""
+    (float32 from XLA, q's dtype from a fused kernel: no float32 copy of the output is made), each query over its
+    last `window` positions when given, scores soft-capped by `cap` when given, through the platform's fused kernel
+    (`prompt_attention_impl`; a layer it cannot take falls back to XLA, said once in the log). No [T, T] score
+    matrix exists in memory on any path."""
     impl, why_not = prompt_attention_impl(q.dtype, cap)
     if why_not:
         _say_once(why_not)
@@ -377,8 +378,8 @@ def prompt_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | 
 def dot_product_prompt_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = None,
                                  implementation: str = "cudnn") -> jax.Array:
     """`prompt_attention` through `jax.nn.dot_product_attention` (grouped-query heads and the window native:
-    HF's window q - k < W is cuDNN's sliding window of length W) -> [B, T, N, H] in q's dtype. With implementation="xla" the same
-    call runs anywhere, with a [T, T] score matrix (tests, short prompts)."""
+    HF's window q - k < W is cuDNN's sliding window of length W) -> [B, T, N, H] in q's dtype. With
+    implementation="xla" the same call runs anywhere, with a [T, T] score matrix (tests, short prompts)."""
     local = None if window is None else (window - 1, 0)
     out = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local,
                                        implementation=implementation)

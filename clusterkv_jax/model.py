@@ -8,11 +8,11 @@ Parameters are a plain pytree (see `param_shapes`), each layer parameter stacked
 function here is pure and jit-able. On a GPU the layers run in a plain Python loop over per-layer arrays, each
 layer's q/k/v and gate/up weights fused into one array each (`for_device`), so XLA reads each weight once a step;
 elsewhere a `lax.scan` runs them over the stacks (on a TPU q/k/v stored with the model dim last, which it reads
-in place). How a layer stores its K/V and attends (to every token, to its
-window, or to what a KV policy selects) is `clusterkv_jax.attend`'s: the model hands each layer's q, k, v to the
-step it runs (`attend.Prefill`, `attend.PrefillChunk`, `attend.Decode`) and knows nothing of the policy. A
-layer's K/V live in its group's store (`clusterkv_jax.cache`), written in place one row per layer. Norms, RoPE,
-softmax and logits are computed in float32.
+in place). How a layer stores its K/V and attends (to every token, to its window, or to what a KV policy selects)
+is `clusterkv_jax.attend`'s: the model hands each layer's q, k, v to the step it runs (`attend.Prefill`,
+`attend.PrefillChunk`, `attend.Decode`) and knows nothing of the policy. A layer's K/V live in its group's store
+(`clusterkv_jax.cache`), written in place one row per layer. Norms, RoPE, softmax and logits are computed in
+float32.
 
 Shapes: B batch, T tokens, S cache capacity, D hidden, N query heads, K KV heads, G = N // K, H head dim,
 F MLP width, V vocabulary, L layers.
@@ -177,13 +177,6 @@ def _fused_spec(spec: tuple) -> tuple:
     return (*spec[:-1], None, spec[-1])
 
 
-def _free(layer: dict[str, Any], kept: dict[str, Any]) -> None:
-    """Deletes the arrays of `layer` that `kept` (its parameters laid out anew) no longer holds."""
-    for name in layer.keys() - kept.keys():
-        if isinstance(layer[name], jax.Array):
-            layer[name].delete()
-
-
 def fuse_layer(layer: dict[str, Any], free: bool = False) -> dict[str, Any]:
     """A layer's parameters (one layer's, or stacked on [L]) with q, k and v as one array "qkv" grouped by KV head,
     [..., D, K, G + 2, H] (`_grouped_by_kv_head`; their biases likewise as "qkv_bias"), and gate and up as one
@@ -207,7 +200,9 @@ def fuse_layer(layer: dict[str, Any], free: bool = False) -> dict[str, Any]:
     out["gate_up"] = _laid_out(lambda gate, up: jnp.stack([gate, up], axis=-2), _fused_spec, layer["gate"],
                                layer["up"])
     if free:
-        _free(layer, out)
+        for name in layer.keys() - out.keys():
+            if isinstance(layer[name], jax.Array):
+                layer[name].delete()
     return out
 
 
@@ -221,7 +216,7 @@ def move_model_dim_last(layer: dict[str, Any], free: bool = False) -> dict[str, 
     layers, then selecting ones) it relaid the whole stacks before both: ClusterKV@1024's 32k prefill of 4
     Llama-3-8B layers held 1,581 MB of device temporaries on a v5e against full KV's 1,377 MB (deviceless;
     docs/research_log.md). Stored [heads, H, D] the weights are read in place, and a one-token projection costs the
-    same. Sharded, each device transposes its own shard (split by head, as before). `free` deletes q, k and v once
+    same there. Sharded, each device transposes its own shard (split by head, as before). `free` deletes q, k and v once
     moved. Layers in another layout come back as they are."""
     if layout_of(layer) != "canonical":
         return layer
