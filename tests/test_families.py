@@ -120,6 +120,13 @@ def test_logits_and_greedy_tokens_equal_hf(case):
                             policy=ckv.FullKV(), all_logits=True)
     got = np.asarray(logits)[0, :len(ids)]
     assert np.abs(got - want).max() < 1e-4 * max(1.0, np.abs(want).max()), name
+    # q/k/v stored as a TPU stores them (the model dim last, `model.move_model_dim_last`): HF's logits too.
+    tpu_layout = {**ours.params, "layers": ckv.model.move_model_dim_last(ours.params["layers"])}
+    logits, _ = ckv.prefill(tpu_layout, tokens, np.array([len(ids)], np.int32),
+                            ckv.init_cache(ours.config, ckv.FullKV(), 1, 256), config=ours.config,
+                            policy=ckv.FullKV(), all_logits=True)
+    got = np.asarray(logits)[0, :len(ids)]
+    assert np.abs(got - want).max() < 1e-4 * max(1.0, np.abs(want).max()), name
     assert _generate(ours, ids)[0] == greedy[0, len(ids):].tolist(), name
 
 
