@@ -26,7 +26,9 @@ from clusterkv_jax.distributed import to_host, waiting_for_peers
 from clusterkv_jax.policies import FullKV, KVPolicy
 from clusterkv_jax.sampling import Sampling
 from clusterkv_jax.prompts import Prefilled, prompt_batch, token_ids
-from clusterkv_jax.steps import cache_capacity, counting_compiles
+# bucket_length and cache_capacity stay importable from here, where scripts found them before `steps` held them
+# (the GPU check's prefill probe, ../shared/gpu_probe.py, among them).
+from clusterkv_jax.steps import bucket_length, cache_capacity, counting_compiles  # noqa: F401
 
 
 class GenerationInterrupted(KeyboardInterrupt):
