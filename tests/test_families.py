@@ -69,12 +69,21 @@ pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:no tokenizer.
 SMALL = dict(sinks=4, tokens_per_cluster=8, decode_interval=16, decode_clusters=2, full_layers=1)
 
 
+_CASE_COMPILED = [None]  # the case whose programs jax holds
+
+
 @pytest.fixture(autouse=True)
-def _release_compiled_programs_after_each_test():
+def _release_compiled_programs_between_cases(request):
     """Every case is a model of its own with its own programs (~25 per test): kept for the whole module they passed
-    the kernel's vm.max_map_count (65,530 memory maps) at the 32nd test and XLA segfaulted while compiling."""
+    the kernel's vm.max_map_count (65,530 memory maps) at the 32nd test and XLA segfaulted while compiling. They are
+    dropped before a test of another model (pytest runs a case's tests one after another), so the tests of one case
+    trace and compile the programs they share (full KV's and ClusterKV's generate) once."""
+    callspec = getattr(request.node, "callspec", None)
+    case = callspec.params.get("case") if callspec else None
+    if case is None or case != _CASE_COMPILED[0]:
+        release_compiled_programs()
+    _CASE_COMPILED[0] = case
     yield
-    release_compiled_programs()
 
 
 def _hf_model(model_type: str, overrides: dict):
