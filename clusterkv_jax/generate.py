@@ -27,7 +27,7 @@ from clusterkv_jax.policies import FullKV, KVPolicy
 from clusterkv_jax.sampling import Sampling
 from clusterkv_jax.prompts import Prefilled, prompt_batch, token_ids
 # bucket_length and cache_capacity stay importable from here, where scripts found them before `steps` held them
-# (the GPU check's prefill probe, ../shared/gpu_probe.py, among them).
+# (tests/test_gpu_check.py: the GPU check's prefill probe among them).
 from clusterkv_jax.steps import bucket_length, cache_capacity, counting_compiles  # noqa: F401
 
 
